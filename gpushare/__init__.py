@@ -1,0 +1,58 @@
+"""gpushare: multiprocessing for GPU buffers.
+
+``import gpushare as mp`` in place of ``import multiprocessing as mp``:
+every public name of :mod:`multiprocessing` is here, bound to gpushare's
+default context (spawn start method, gpushare Process and Manager), and
+buffers made by ``mp.Manager()`` travel through queues, pipes and process
+arguments as small descriptors that the receiver maps with no copy.
+
+This module is only a facade: the implementation lives in private modules.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as _multiprocessing
+
+from . import _reduction  # noqa: F401 - registers the Buffer reducer with multiprocessing
+from ._buffer import Buffer
+from ._context import _default_context
+from ._errors import (
+    BackendUnavailableError,
+    BufferReleasedError,
+    CUDAError,
+    CUDAOutOfMemoryError,
+    DescriptorError,
+    GpushareError,
+    LeakWarning,
+    LeaseExpiredWarning,
+    ManagerClosedError,
+    NoDeviceError,
+    OwnerGoneError,
+    StartMethodError,
+)
+from ._manager import GRANULARITY, BufferManager
+
+__version__ = "0.1.0"
+
+_MULTIPROCESSING_NAMES = list(_multiprocessing.__all__)
+globals().update((name, getattr(_default_context, name)) for name in _MULTIPROCESSING_NAMES)
+
+_OWN_NAMES = [
+    "GRANULARITY",
+    "BackendUnavailableError",
+    "Buffer",
+    "BufferManager",
+    "BufferReleasedError",
+    "CUDAError",
+    "CUDAOutOfMemoryError",
+    "DescriptorError",
+    "GpushareError",
+    "LeakWarning",
+    "LeaseExpiredWarning",
+    "ManagerClosedError",
+    "NoDeviceError",
+    "OwnerGoneError",
+    "StartMethodError",
+]
+
+__all__ = sorted(set(_MULTIPROCESSING_NAMES) | set(_OWN_NAMES))

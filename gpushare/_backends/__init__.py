@@ -1,0 +1,129 @@
+"""Sharing backends behind one contract (:mod:`._base`), chosen in one place.
+
+:func:`get` is the only function that maps a backend name to its class;
+:func:`resolve` is the only one that turns a user's ``device=`` and
+``backend=`` into a (backend, device ordinal) pair.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+
+from .. import _cuda
+from .._errors import BackendUnavailableError, NoDeviceError
+from ._base import Allocation, Backend, Mapping
+
+__all__ = ["BACKENDS", "Allocation", "Backend", "Mapping", "get", "parse_device", "resolve"]
+
+#: Every backend name, in the order ``python -m gpushare info`` lists them.
+BACKENDS = ("cuda_ipc", "host")
+DEFAULT_CUDA_BACKEND = "cuda_ipc"
+
+_instances: dict[str, Backend] = {}
+_lock = threading.Lock()
+_warned_no_gpu = False
+
+
+def get(name: str) -> Backend:
+    """The process-wide instance of backend ``name``."""
+    backend = _instances.get(name)
+    if backend is not None:
+        return backend
+    with _lock:
+        backend = _instances.get(name)
+        if backend is None:
+            if name == "host":
+                from .host import HostBackend
+
+                backend = HostBackend()
+            elif name == "cuda_ipc":
+                from .cuda_ipc import CudaIpcBackend
+
+                backend = CudaIpcBackend()
+            else:
+                raise BackendUnavailableError(
+                    f"unknown backend {name!r}; valid backends are {', '.join(BACKENDS)}"
+                )
+            _instances[name] = backend
+    return backend
+
+
+def parse_device(device: object) -> int | str | None:
+    """Normalise a user's ``device=``: ``None``, ``"cpu"`` or a CUDA ordinal.
+
+    Accepts ints, ``"cuda"``, ``"cuda:N"``, ``"cpu"`` and objects with
+    ``.type``/``.index`` (``torch.device``). Touches no driver.
+    """
+    if device is None or isinstance(device, bool):
+        if isinstance(device, bool):
+            raise ValueError(f"device={device!r} is not a device; use an int, 'cuda:N' or 'cpu'")
+        return None
+    if isinstance(device, int):
+        if device < 0:
+            raise ValueError(f"device={device} is negative; CUDA ordinals start at 0")
+        return device
+    kind = getattr(device, "type", None)
+    if isinstance(kind, str):  # torch.device and friends
+        index = getattr(device, "index", None)
+        return "cpu" if kind == "cpu" else int(index or 0)
+    if isinstance(device, str):
+        text = device.strip().lower()
+        if text in ("cpu", "host"):
+            return "cpu"
+        if text in ("cuda", "gpu"):
+            return 0
+        for prefix in ("cuda:", "gpu:"):
+            if text.startswith(prefix) and text[len(prefix) :].isdigit():
+                return int(text[len(prefix) :])
+    raise ValueError(f"device={device!r} is not a device; use an int, 'cuda', 'cuda:N', 'cpu' or None")
+
+
+def resolve(device: object, backend: str | None = None) -> tuple[Backend, int | None]:
+    """Pick the backend and device ordinal for an allocation.
+
+    ``device=None`` means the worker's device (``GPUSHARE_DEVICE``) or 0
+    when a GPU is usable, else the host backend with one warning.
+    ``GPUSHARE_BACKEND=host`` forces the host backend for ``device=None``.
+    """
+    global _warned_no_gpu
+    parsed = parse_device(device)
+    if backend == "host" and parsed not in (None, "cpu"):
+        raise BackendUnavailableError(
+            f"backend='host' shares host memory, but device={device!r} names a GPU; "
+            "use device='cpu' with it, or a CUDA backend for GPU memory"
+        )
+    if parsed is None:
+        if backend == "host" or os.environ.get("GPUSHARE_BACKEND", "").lower() == "host":
+            parsed = "cpu"
+        elif _cuda.available():
+            parsed = int(os.environ.get("GPUSHARE_DEVICE", "0") or 0)
+        else:
+            if backend not in (None, "host"):
+                raise NoDeviceError(
+                    f"backend={backend!r} needs a GPU, and none is usable here. "
+                    "Use device='cpu' for host shared memory."
+                )
+            if not _warned_no_gpu:
+                _warned_no_gpu = True
+                warnings.warn(
+                    "gpushare: no usable GPU, so device=None buffers use the host shared-memory "
+                    "backend; pass device='cpu' or set GPUSHARE_BACKEND=host to silence this",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            parsed = "cpu"
+    if parsed == "cpu":
+        return get("host"), None
+    assert isinstance(parsed, int)
+    count = _cuda.device_count()  # NoDeviceError with no driver / no GPU
+    if parsed >= count:
+        raise NoDeviceError(
+            f"CUDA device {parsed} does not exist: this process sees {count} device(s) "
+            f"(ordinals 0..{count - 1}). Pick one of those or device='cpu'."
+        )
+    chosen = get(backend or DEFAULT_CUDA_BACKEND)
+    if not chosen.is_cuda:
+        raise BackendUnavailableError(f"backend {chosen.name!r} cannot hold memory on CUDA device {parsed}")
+    return chosen, parsed

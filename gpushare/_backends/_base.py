@@ -1,0 +1,110 @@
+"""The contract every sharing backend fulfils.
+
+A backend turns memory into something another process can map, and back:
+
+* owner side: :meth:`Backend.allocate` returns an :class:`Allocation`,
+  whose ``handle`` (bytes, computed once by :meth:`Backend.export`) is all
+  another process needs to reach the memory; :meth:`Backend.free` gives
+  the memory back and may only run once no other process maps it (the
+  lifetime service guarantees that).
+* consumer side: :meth:`Backend.open` maps a handle and returns a
+  :class:`Mapping`; it is cached per process by the caller's key, so an
+  allocation that arrives many times is opened once; :meth:`Backend.close`
+  unmaps it.
+* both sides: plain memory operations (fill, copy in, copy out) that
+  Buffer methods need, so Buffer never asks which backend it sits on.
+
+Backends know nothing of leases, pickling or processes.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Allocation", "Backend", "Mapping"]
+
+
+@dataclass(eq=False)
+class Allocation:
+    """Memory owned by this process. ``ptr`` is valid here."""
+
+    backend: str
+    ptr: int
+    nbytes: int
+    device: int | None  # CUDA ordinal in this process; None on the host
+    device_uuid: bytes  # 16 bytes; empty on the host
+    handle: bytes = b""  # what another process needs to map it (export())
+    native: Any = None  # backend-private (host: the mmap)
+
+
+@dataclass(eq=False)
+class Mapping:
+    """Another process's memory, mapped into this one. ``ptr`` is valid here."""
+
+    backend: str
+    ptr: int
+    nbytes: int
+    device: int | None
+    device_uuid: bytes
+    native: Any = None
+    refs: int = field(default=0)  # live buffers of this process using it
+
+
+class Backend(abc.ABC):
+    """One way of sharing memory between processes of one node."""
+
+    name: str = ""
+    #: True when allocations live on a CUDA device.
+    is_cuda: bool = False
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.opens = 0  # handles actually mapped by this process (not cache hits)
+
+    # -- owner side -------------------------------------------------------
+    @abc.abstractmethod
+    def allocate(self, nbytes: int, device: int | None) -> Allocation:
+        """Allocate ``nbytes`` (already rounded by the caller) on ``device``."""
+
+    @abc.abstractmethod
+    def export(self, allocation: Allocation) -> bytes:
+        """The bytes another process needs to map ``allocation``."""
+
+    @abc.abstractmethod
+    def free(self, allocation: Allocation) -> None:
+        """Give the memory back. Only called once no other process maps it."""
+
+    # -- consumer side ----------------------------------------------------
+    def open(self, handle: bytes, nbytes: int, device_uuid: bytes) -> Mapping:
+        mapping = self._map(handle, nbytes, device_uuid)
+        with self._lock:
+            self.opens += 1
+        return mapping
+
+    @abc.abstractmethod
+    def _map(self, handle: bytes, nbytes: int, device_uuid: bytes) -> Mapping:
+        """Map the memory ``handle`` names into this process."""
+
+    @abc.abstractmethod
+    def close(self, mapping: Mapping) -> None:
+        """Unmap a mapping made by :meth:`open`."""
+
+    # -- memory operations (either side) ------------------------------------
+    @abc.abstractmethod
+    def fill(self, ptr: int, pattern: bytes, nbytes: int, device: int | None) -> None:
+        """Fill ``nbytes`` at ``ptr`` with the repeated ``pattern``."""
+
+    @abc.abstractmethod
+    def copy_in(self, ptr: int, host_ptr: int, nbytes: int, device: int | None) -> None:
+        """Copy ``nbytes`` from host memory at ``host_ptr`` to ``ptr``."""
+
+    @abc.abstractmethod
+    def copy_out(self, host_ptr: int, ptr: int, nbytes: int, device: int | None) -> None:
+        """Copy ``nbytes`` from ``ptr`` to host memory at ``host_ptr``."""
+
+    def capabilities(self) -> dict[str, Any]:
+        """What this backend can do on this machine."""
+        return {"name": self.name, "cuda": self.is_cuda, "available": True}

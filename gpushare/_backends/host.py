@@ -1,0 +1,135 @@
+"""The ``host`` backend: POSIX shared memory with the same contract as CUDA.
+
+Used on machines without a GPU and for ``device="cpu"`` buffers. The owner
+creates a segment with ``shm_open`` + ``ftruncate`` + ``mmap``; the handle
+is the segment's name; a consumer maps it by name.
+
+Who destroys is decided once: only the owner unlinks, exactly once, in
+:meth:`HostBackend.free`. Consumers only unmap. The owner registers each
+segment with multiprocessing's resource tracker so that a SIGKILLed owner
+does not leave the segment behind; it unregisters it when it unlinks, so a
+clean run prints no leaked-segment warnings. Consumers never register
+(registering on attach is what makes the standard library's SharedMemory
+unlink twice and warn, gh-82300).
+
+Unmapping while NumPy arrays still view the segment would invalidate
+them, so when an ``mmap`` still has exports it is left for the garbage
+collector to close after the last array goes: memory stays valid for as
+long as anything can reach it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import secrets
+from typing import Any
+
+import numpy as np
+
+from . import _base
+
+try:  # CPython's own binding of shm_open/shm_unlink (POSIX only)
+    import _posixshmem
+except ImportError:  # pragma: no cover - Windows
+    _posixshmem = None
+
+from multiprocessing import resource_tracker
+
+__all__ = ["HostBackend"]
+
+_PREFIX = "/gpushare-"
+
+
+def _address(mm: mmap.mmap) -> int:
+    view = np.frombuffer(mm, dtype=np.uint8, count=1)
+    addr = int(view.ctypes.data)
+    del view
+    return addr
+
+
+def _close(mm: mmap.mmap) -> None:
+    try:
+        mm.close()
+    except BufferError:
+        # NumPy arrays still view it; the mmap closes when the last one dies.
+        pass
+
+
+class HostBackend(_base.Backend):
+    name = "host"
+    is_cuda = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        if _posixshmem is None:  # pragma: no cover
+            from .._errors import BackendUnavailableError
+
+            raise BackendUnavailableError("the host backend needs POSIX shared memory (Linux or macOS)")
+        self._prefix = f"{_PREFIX}{os.getpid()}-{secrets.token_hex(4)}-"
+        self._counter = 0
+
+    def allocate(self, nbytes: int, device: int | None) -> _base.Allocation:
+        with self._lock:
+            self._counter += 1
+            name = f"{self._prefix}{self._counter}"
+        fd = _posixshmem.shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
+        try:
+            try:
+                os.ftruncate(fd, nbytes)
+                mm = mmap.mmap(fd, nbytes)
+            except OSError as exc:
+                _posixshmem.shm_unlink(name)
+                raise MemoryError(
+                    f"could not create {nbytes} bytes of shared memory ({exc}); free buffers, "
+                    "call Manager.trim(), or enlarge /dev/shm"
+                ) from exc
+        finally:
+            os.close(fd)
+        resource_tracker.register(name, "shared_memory")
+        handle = name.encode()
+        return _base.Allocation(self.name, _address(mm), nbytes, None, b"", handle, mm)
+
+    def export(self, allocation: _base.Allocation) -> bytes:
+        return allocation.handle
+
+    def free(self, allocation: _base.Allocation) -> None:
+        name = allocation.handle.decode()
+        _close(allocation.native)
+        try:
+            _posixshmem.shm_unlink(name)
+        except FileNotFoundError:  # removed behind our back (e.g. by hand)
+            pass
+        resource_tracker.unregister(name, "shared_memory")
+
+    def _map(self, handle: bytes, nbytes: int, device_uuid: bytes) -> _base.Mapping:
+        name = handle.decode()
+        fd = _posixshmem.shm_open(name, os.O_RDWR, mode=0o600)
+        try:
+            mm = mmap.mmap(fd, nbytes)
+        finally:
+            os.close(fd)
+        return _base.Mapping(self.name, _address(mm), nbytes, None, b"", mm)
+
+    def close(self, mapping: _base.Mapping) -> None:
+        _close(mapping.native)
+
+    def fill(self, ptr: int, pattern: bytes, nbytes: int, device: int | None) -> None:
+        if len(set(pattern)) <= 1:
+            ctypes.memset(ptr, pattern[0] if pattern else 0, nbytes)
+            return
+        count = nbytes // len(pattern)
+        target = (ctypes.c_char * nbytes).from_address(ptr)
+        np.frombuffer(target, dtype=np.uint8).reshape(count, len(pattern))[:] = np.frombuffer(pattern, np.uint8)
+
+    def copy_in(self, ptr: int, host_ptr: int, nbytes: int, device: int | None) -> None:
+        ctypes.memmove(ptr, host_ptr, nbytes)
+
+    def copy_out(self, host_ptr: int, ptr: int, nbytes: int, device: int | None) -> None:
+        ctypes.memmove(host_ptr, ptr, nbytes)
+
+    def capabilities(self) -> dict[str, Any]:
+        caps = super().capabilities()
+        caps["mechanism"] = "POSIX shared memory (shm_open + mmap)"
+        return caps

@@ -1,0 +1,370 @@
+"""Buffer: a typed window onto shared memory, in the owner or a worker.
+
+Two objects make up a buffer in a process:
+
+* a :class:`Memory` -- this process's single reference to one allocation
+  incarnation (the owner's own reference, a lease claimed from the owner,
+  or a lease the owner holds for itself). It knows the allocation's address
+  *in this process*, which backend maps it, and a *source* that knows what
+  "drop", "share" and "is it still valid" mean for that kind of reference;
+* any number of :class:`Buffer` objects viewing it (the buffer itself and
+  its ``view()`` results). Each takes a count on the Memory; when the last
+  one is released or collected the Memory is dropped, which gives the
+  reference back (releases the lease, or lets the owner recycle).
+
+``release()`` releases only this process's reference and is idempotent.
+Touching the memory of a released buffer raises
+:class:`~gpushare._errors.BufferReleasedError`; touching a buffer whose
+owner is gone raises :class:`~gpushare._errors.OwnerGoneError`. Neither
+ever reaches the driver with a dangling pointer.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import weakref
+from typing import Any, Protocol
+
+import numpy as np
+
+from ._errors import BufferReleasedError
+
+__all__ = ["Buffer", "Memory", "check_dtype", "check_shape"]
+
+_SUPPORTED_KINDS = "biufc"
+
+
+def check_dtype(dtype: object) -> np.dtype[Any]:
+    """A NumPy dtype gpushare can share, or a ValueError saying what is valid."""
+    try:
+        dt = np.dtype(dtype)  # type: ignore[call-overload]
+    except TypeError as exc:
+        raise ValueError(
+            f"dtype={dtype!r} is not a dtype NumPy knows; use e.g. 'float32', 'float16', 'int64', 'uint8'"
+        ) from exc
+    if dt.kind not in _SUPPORTED_KINDS or dt.fields is not None or dt.subdtype is not None:
+        raise ValueError(
+            f"dtype {dt} cannot be shared: only plain bool, integer, float and complex dtypes "
+            "(e.g. 'float32', 'float16', 'int64', 'uint8') have a device layout"
+        )
+    return dt.newbyteorder("=") if dt.byteorder not in ("=", "|") else dt
+
+
+def check_shape(shape: object) -> tuple[int, ...]:
+    if isinstance(shape, (int, np.integer)):
+        shape = (int(shape),)
+    try:
+        dims = tuple(int(d) for d in shape)  # type: ignore[attr-defined]
+    except TypeError as exc:
+        raise ValueError(f"shape={shape!r} is not a tuple of ints") from exc
+    if any(d < 0 for d in dims):
+        raise ValueError(f"shape={dims} has a negative dimension; dimensions are >= 0")
+    if len(dims) > 32:
+        raise ValueError(f"shape={dims} has {len(dims)} dimensions; at most 32 are supported")
+    return dims
+
+
+class Source(Protocol):
+    """What a Memory's kind of reference means (owner's, leased, ...)."""
+
+    def drop(self, memory: Memory) -> None: ...
+
+    def share(self, memory: Memory) -> int: ...
+
+    def check(self, memory: Memory) -> None: ...
+
+
+class Memory:
+    """This process's one reference to one allocation incarnation."""
+
+    __slots__ = (
+        "_count",
+        "_lock",
+        "address",
+        "alloc_id",
+        "alloc_nbytes",
+        "backend",
+        "base",
+        "device",
+        "device_uuid",
+        "generation",
+        "handle",
+        "native",
+        "owner_token",
+        "source",
+    )
+
+    def __init__(
+        self,
+        *,
+        backend: Any,
+        base: int,
+        alloc_nbytes: int,
+        device: int | None,
+        device_uuid: bytes,
+        owner_token: bytes,
+        address: str,
+        alloc_id: int,
+        generation: int,
+        handle: bytes,
+        native: Any,
+        source: Source,
+    ) -> None:
+        self.backend = backend
+        self.base = base
+        self.alloc_nbytes = alloc_nbytes
+        self.device = device
+        self.device_uuid = device_uuid
+        self.owner_token = owner_token
+        self.address = address
+        self.alloc_id = alloc_id
+        self.generation = generation
+        self.handle = handle
+        self.native = native
+        self.source = source
+        self._count = 0
+        self._lock = threading.Lock()
+
+    def acquire(self) -> None:
+        with self._lock:
+            self._count += 1
+
+    def drop_one(self) -> None:
+        with self._lock:
+            self._count -= 1
+            last = self._count == 0
+        if last:
+            self.source.drop(self)
+
+
+def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    strides = []
+    step = itemsize
+    for dim in reversed(shape):
+        strides.append(step)
+        step *= max(dim, 1)
+    return tuple(reversed(strides))
+
+
+class Buffer:
+    """A C-contiguous typed array in shared memory (CUDA device or host).
+
+    Made by a Manager (``manager.empty(...)``) in the owning process, or
+    rebuilt from a descriptor when a buffer arrives in another process.
+    Buffers have no public constructor.
+    """
+
+    __slots__ = ("__weakref__", "_dtype", "_finalizer", "_memory", "_offset", "_shape")
+
+    def __init__(self, memory: Memory, offset: int, shape: tuple[int, ...], dtype: np.dtype[Any]) -> None:
+        self._memory = memory
+        self._offset = offset
+        self._shape = shape
+        self._dtype = dtype
+        memory.acquire()
+        self._finalizer = weakref.finalize(self, memory.drop_one)
+
+    # -- description --------------------------------------------------------
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._shape
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        return self._dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self._shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self._shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self._dtype.itemsize
+
+    @property
+    def strides(self) -> tuple[int, ...]:
+        """Byte strides (C order), as NumPy reports them."""
+        return _c_strides(self._shape, self._dtype.itemsize)
+
+    @property
+    def device(self) -> int | str:
+        """The CUDA ordinal of the memory in this process, or ``"cpu"``."""
+        device = self._memory.device
+        return "cpu" if device is None else device
+
+    @property
+    def device_uuid(self) -> str | None:
+        """The GPU's UUID (``"GPU-..."``), the same in every process; None on the host."""
+        uuid = self._memory.device_uuid
+        if not uuid:
+            return None
+        from ._cuda import format_uuid
+
+        return format_uuid(uuid)
+
+    @property
+    def backend(self) -> str:
+        return str(self._memory.backend.name)
+
+    @property
+    def released(self) -> bool:
+        return not self._finalizer.alive
+
+    @property
+    def ptr(self) -> int:
+        """The address of the first element in this process (device pointer on CUDA)."""
+        self._check()
+        return self._memory.base + self._offset
+
+    def _check(self) -> None:
+        if not self._finalizer.alive:
+            raise BufferReleasedError(
+                f"this {self._describe()} was released in this process; its memory may not be "
+                "touched here any more. Keep a reference (or do not call release()) while you use it"
+            )
+        self._memory.source.check(self._memory)
+
+    def _describe(self) -> str:
+        return f"buffer {self._shape} {self._dtype} on {self.device}"
+
+    def __repr__(self) -> str:
+        state = "released" if self.released else f"{self.backend}"
+        return f"<gpushare.Buffer shape={self._shape} dtype={self._dtype} device={self.device!r} {state}>"
+
+    # -- lifetime -----------------------------------------------------------
+    def release(self) -> None:
+        """Release this process's reference. Idempotent.
+
+        In a worker this gives the lease back to the owner; in the owner the
+        memory is recycled once no worker holds it either.
+        """
+        self._finalizer()
+
+    def __enter__(self) -> Buffer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    # -- views and copies -----------------------------------------------------
+    def view(self, dtype: object = None, shape: object = None) -> Buffer:
+        """A new Buffer over the same memory with another dtype and/or shape.
+
+        ``shape`` may hold one ``-1``; the view may be smaller than the
+        buffer but never larger. The view keeps the memory alive on its own.
+        """
+        self._check()
+        dt = self._dtype if dtype is None else check_dtype(dtype)
+        if shape is None:
+            if self.nbytes % dt.itemsize:
+                raise ValueError(f"{self.nbytes} bytes are not a whole number of {dt} items")
+            if self._shape and (self._shape[-1] * self._dtype.itemsize) % dt.itemsize == 0:
+                new_shape = self._shape[:-1] + (self._shape[-1] * self._dtype.itemsize // dt.itemsize,)
+            else:
+                new_shape = (self.nbytes // dt.itemsize,)
+        else:
+            dims = list(shape) if not isinstance(shape, (int, np.integer)) else [int(shape)]  # type: ignore[call-overload]
+            if dims.count(-1) > 1:
+                raise ValueError(f"shape={tuple(dims)} has more than one -1")
+            if -1 in dims:
+                known = math.prod(d for d in dims if d != -1)
+                if known == 0 or (self.nbytes // dt.itemsize) % known:
+                    raise ValueError(f"cannot infer the -1 in shape={tuple(dims)} for {self.nbytes} bytes of {dt}")
+                dims[dims.index(-1)] = (self.nbytes // dt.itemsize) // known
+            new_shape = check_shape(dims)
+        if math.prod(new_shape) * dt.itemsize > self.nbytes:
+            raise ValueError(
+                f"a view of shape {new_shape} and dtype {dt} needs {math.prod(new_shape) * dt.itemsize} bytes; "
+                f"this buffer has {self.nbytes}"
+            )
+        return Buffer(self._memory, self._offset, new_shape, dt)
+
+    def numpy(self) -> np.ndarray[Any, Any]:
+        """The contents as a NumPy array: a zero-copy view on the host backend,
+        a host copy of device memory on CUDA."""
+        self._check()
+        memory = self._memory
+        if memory.device is None:
+            return np.ndarray(self._shape, self._dtype, buffer=memory.native, offset=self._offset)
+        out = np.empty(self._shape, self._dtype)
+        if self.nbytes:
+            memory.backend.copy_out(out.ctypes.data, self.ptr, self.nbytes, memory.device)
+        return out
+
+    def copy_from(self, array: object) -> Buffer:
+        """Copy ``array`` (NumPy, anything array-like, or a CUDA array) into this buffer.
+
+        The source must have as many elements as the buffer; it is cast to
+        the buffer's dtype. Returns ``self``.
+        """
+        self._check()
+        memory = self._memory
+        cai = getattr(array, "__cuda_array_interface__", None) if memory.device is not None else None
+        if cai is not None:
+            from ._interop import copy_from_cuda_array
+
+            copy_from_cuda_array(self, cai)
+            return self
+        src = np.ascontiguousarray(np.asarray(array), dtype=self._dtype)
+        if src.size != self.size:
+            raise ValueError(f"cannot copy {src.size} elements (shape {src.shape}) into a buffer of shape {self._shape}")
+        if self.nbytes:
+            memory.backend.copy_in(self.ptr, src.ctypes.data, self.nbytes, memory.device)
+        return self
+
+    def fill(self, value: object) -> Buffer:
+        """Set every element to ``value``. Returns ``self``."""
+        self._check()
+        pattern = np.array(value, dtype=self._dtype).tobytes()
+        if self.nbytes:
+            self._memory.backend.fill(self.ptr, pattern, self.nbytes, self._memory.device)
+        return self
+
+    # -- interop (see _interop) ---------------------------------------------------
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        if self._memory.device is None:
+            raise AttributeError("a host-backend buffer has no __cuda_array_interface__; use numpy() or np.asarray()")
+        from ._interop import cuda_array_interface
+
+        return cuda_array_interface(self)
+
+    @property
+    def __array_interface__(self) -> dict[str, Any]:
+        if self._memory.device is not None:
+            raise AttributeError("a CUDA buffer has no __array_interface__; use buf.numpy() for a host copy")
+        self._check()
+        return {
+            "shape": self._shape,
+            "typestr": self._dtype.str,
+            "data": (self.ptr, False),
+            "strides": None,
+            "version": 3,
+        }
+
+    def __dlpack__(
+        self,
+        *,
+        stream: object = None,
+        max_version: tuple[int, int] | None = None,
+        dl_device: tuple[int, int] | None = None,
+        copy: bool | None = None,
+    ) -> Any:
+        from ._interop import to_dlpack
+
+        return to_dlpack(self, stream=stream, max_version=max_version, dl_device=dl_device, copy=copy)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        from ._interop import dlpack_device
+
+        return dlpack_device(self)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        from ._reduction import reduce_buffer
+
+        return reduce_buffer(self)

@@ -1,0 +1,342 @@
+"""The only place in gpushare that imports ``cuda.bindings``.
+
+Everything above this package speaks in plain Python values: device
+ordinals (ints valid in *this* process), device UUIDs (16 bytes, valid in
+every process whatever ``CUDA_VISIBLE_DEVICES`` says), device pointers
+(ints) and IPC handles (64 bytes).
+
+Protocol of this layer:
+
+* The driver is loaded lazily, on the first call that needs it, and
+  ``cuInit`` runs once per process. With no driver library, or no GPU,
+  :class:`~gpushare._errors.NoDeviceError` says so and what to do instead.
+* Every driver call goes through :func:`_check`: a failing ``CUresult``
+  becomes one :class:`~gpushare._errors.CUDAError` carrying the driver's
+  error name and text (out of memory becomes
+  :class:`~gpushare._errors.CUDAOutOfMemoryError`, a ``MemoryError``).
+* Work on a device runs inside that device's *primary* context, pushed
+  for the call and popped after, so the caller's current context (torch's,
+  CuPy's) is left as it was and any thread may call in.
+* Handles cross the process boundary as bytes. cuda-bindings changed the
+  fields of ``CUipcMemHandle`` between releases, so bytes are copied
+  through the struct's address with ctypes, which works on 12.x and 13.x.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from .._errors import CUDAError, CUDAOutOfMemoryError, NoDeviceError
+
+__all__ = [
+    "IPC_HANDLE_SIZE",
+    "address_range",
+    "available",
+    "bindings_version",
+    "can_access_peer",
+    "device_count",
+    "device_name",
+    "device_total_memory",
+    "device_uuid",
+    "driver_version",
+    "initialized",
+    "ipc_close",
+    "ipc_get_handle",
+    "ipc_open",
+    "mem_alloc",
+    "mem_free",
+    "mem_info",
+    "memcpy_dtoh",
+    "memcpy_htod",
+    "memset",
+    "ordinal_from_uuid",
+    "pointer_device",
+    "synchronize",
+]
+
+IPC_HANDLE_SIZE = 64
+
+_lock = threading.RLock()
+_driver: Any = None
+_init_error: BaseException | None = None
+_primary: dict[int, Any] = {}
+_uuids: dict[int, bytes] = {}
+
+_NO_GPU_HINT = (
+    "Use device='cpu' (or set GPUSHARE_BACKEND=host) to share host memory instead, "
+    "or run on a machine with an NVIDIA GPU and driver"
+)
+
+
+def _load() -> Any:
+    """Import cuda.bindings and run cuInit once; raise NoDeviceError if impossible."""
+    global _driver, _init_error
+    if _driver is not None:
+        return _driver
+    with _lock:
+        if _driver is not None:
+            return _driver
+        if _init_error is not None:
+            raise NoDeviceError(str(_init_error)) from _init_error
+        try:
+            from cuda.bindings import driver
+        except ImportError as exc:
+            _init_error = NoDeviceError(
+                f"cuda-bindings is not installed ({exc}). Install it with "
+                f"'pip install cuda-bindings', or: {_NO_GPU_HINT}."
+            )
+            raise _init_error from exc
+        try:
+            (err,) = driver.cuInit(0)
+        except RuntimeError as exc:  # cuda.pathfinder: libcuda.so not found
+            _init_error = NoDeviceError(f"No NVIDIA driver library was found ({exc}). {_NO_GPU_HINT}.")
+            raise _init_error from exc
+        if err != driver.CUresult.CUDA_SUCCESS:
+            name = _error_name(driver, err)
+            _init_error = NoDeviceError(f"cuInit failed with {name}: the CUDA driver sees no usable GPU. {_NO_GPU_HINT}.")
+            raise _init_error
+        _driver = driver
+        return driver
+
+
+def _error_name(driver: Any, err: Any) -> str:
+    try:
+        res, name = driver.cuGetErrorName(err)
+        if res == driver.CUresult.CUDA_SUCCESS and name:
+            return name.decode() if isinstance(name, bytes) else str(name)
+    except Exception:  # pragma: no cover - only with a broken driver
+        pass
+    return str(err)
+
+
+def _check(call: str, result: tuple[Any, ...], hint: str = "") -> Any:
+    """Unpack a cuda-bindings result tuple, raising CUDAError on failure."""
+    driver = _driver
+    err = result[0]
+    if err != driver.CUresult.CUDA_SUCCESS:
+        name = _error_name(driver, err)
+        res, text = driver.cuGetErrorString(err)
+        text = text.decode() if isinstance(text, bytes) else str(text)
+        cls = CUDAOutOfMemoryError if err == driver.CUresult.CUDA_ERROR_OUT_OF_MEMORY else CUDAError
+        raise cls(call, int(err), name, text, hint)
+    if len(result) == 1:
+        return None
+    if len(result) == 2:
+        return result[1]
+    return result[1:]
+
+
+def available() -> bool:
+    """True when a driver and at least one GPU are usable (never raises)."""
+    try:
+        return device_count() > 0
+    except NoDeviceError:
+        return False
+
+
+def initialized() -> bool:
+    """True once this process has initialised the CUDA driver through gpushare."""
+    return _driver is not None
+
+
+def driver_version() -> int:
+    driver = _load()
+    return int(_check("cuDriverGetVersion", driver.cuDriverGetVersion()))
+
+
+def bindings_version() -> str:
+    try:
+        from cuda.bindings import __version__
+    except ImportError:
+        return "not installed"
+    return str(__version__)
+
+
+def device_count() -> int:
+    driver = _load()
+    return int(_check("cuDeviceGetCount", driver.cuDeviceGetCount()))
+
+
+def _device(ordinal: int) -> Any:
+    driver = _load()
+    count = device_count()
+    if not 0 <= ordinal < count:
+        raise NoDeviceError(
+            f"CUDA device {ordinal} does not exist: this process sees {count} device(s) "
+            f"(ordinals 0..{count - 1}; CUDA_VISIBLE_DEVICES renumbers them)."
+        )
+    return _check("cuDeviceGet", driver.cuDeviceGet(ordinal))
+
+
+def device_uuid(ordinal: int) -> bytes:
+    """The 16-byte UUID of device ``ordinal``; the same in every process."""
+    cached = _uuids.get(ordinal)
+    if cached is not None:
+        return cached
+    driver = _load()
+    uuid = _check("cuDeviceGetUuid", driver.cuDeviceGetUuid(_device(ordinal)))
+    raw = ctypes.string_at(uuid.getPtr(), 16)
+    _uuids[ordinal] = raw
+    return raw
+
+
+def ordinal_from_uuid(uuid: bytes) -> int:
+    """The ordinal, in this process, of the device with this UUID."""
+    for ordinal in range(device_count()):
+        if device_uuid(ordinal) == uuid:
+            return ordinal
+    raise NoDeviceError(
+        f"The buffer lives on GPU {format_uuid(uuid)}, which this process cannot see "
+        f"(it sees {device_count()} device(s)). Check CUDA_VISIBLE_DEVICES in the consumer."
+    )
+
+
+def format_uuid(uuid: bytes) -> str:
+    h = uuid.hex()
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+def device_name(ordinal: int) -> str:
+    driver = _load()
+    name = _check("cuDeviceGetName", driver.cuDeviceGetName(256, _device(ordinal)))
+    return name.split(b"\0", 1)[0].decode() if isinstance(name, bytes) else str(name)
+
+
+def device_total_memory(ordinal: int) -> int:
+    driver = _load()
+    return int(_check("cuDeviceTotalMem", driver.cuDeviceTotalMem(_device(ordinal))))
+
+
+def can_access_peer(ordinal: int, peer: int) -> bool:
+    driver = _load()
+    return bool(_check("cuDeviceCanAccessPeer", driver.cuDeviceCanAccessPeer(_device(ordinal), _device(peer))))
+
+
+def _primary_context(ordinal: int) -> Any:
+    ctx = _primary.get(ordinal)
+    if ctx is None:
+        with _lock:
+            ctx = _primary.get(ordinal)
+            if ctx is None:
+                driver = _load()
+                ctx = _check("cuDevicePrimaryCtxRetain", driver.cuDevicePrimaryCtxRetain(_device(ordinal)))
+                _primary[ordinal] = ctx
+    return ctx
+
+
+@contextlib.contextmanager
+def on_device(ordinal: int) -> Iterator[Any]:
+    """Run the block with device ``ordinal``'s primary context current."""
+    driver = _load()
+    ctx = _primary_context(ordinal)
+    _check("cuCtxPushCurrent", driver.cuCtxPushCurrent(ctx))
+    try:
+        yield driver
+    finally:
+        driver.cuCtxPopCurrent()
+
+
+def make_current(ordinal: int) -> None:
+    """Make device ``ordinal``'s primary context current on this thread (worker start-up)."""
+    driver = _load()
+    _check("cuCtxSetCurrent", driver.cuCtxSetCurrent(_primary_context(ordinal)))
+
+
+def mem_alloc(nbytes: int, ordinal: int) -> int:
+    with on_device(ordinal) as driver:
+        ptr = _check(
+            "cuMemAlloc",
+            driver.cuMemAlloc(nbytes),
+            hint=f"Could not allocate {nbytes} bytes on device {ordinal}; free buffers or call Manager.trim()",
+        )
+    return int(ptr)
+
+
+def mem_free(ptr: int, ordinal: int) -> None:
+    with on_device(ordinal) as driver:
+        _check("cuMemFree", driver.cuMemFree(ptr))
+
+
+def mem_info(ordinal: int) -> tuple[int, int]:
+    """(free, total) bytes of device ``ordinal``."""
+    with on_device(ordinal) as driver:
+        free, total = _check("cuMemGetInfo", driver.cuMemGetInfo())
+    return int(free), int(total)
+
+
+def address_range(ptr: int, ordinal: int) -> tuple[int, int]:
+    """(base, size) of the allocation that contains ``ptr``."""
+    with on_device(ordinal) as driver:
+        base, size = _check("cuMemGetAddressRange", driver.cuMemGetAddressRange(ptr))
+    return int(base), int(size)
+
+
+def pointer_device(ptr: int) -> int:
+    driver = _load()
+    attr = driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+    return int(_check("cuPointerGetAttribute", driver.cuPointerGetAttribute(attr, ptr)))
+
+
+def ipc_get_handle(ptr: int, ordinal: int) -> bytes:
+    with on_device(ordinal) as driver:
+        handle = _check("cuIpcGetMemHandle", driver.cuIpcGetMemHandle(ptr))
+    return ctypes.string_at(handle.getPtr(), IPC_HANDLE_SIZE)
+
+
+def ipc_open(handle: bytes, ordinal: int) -> int:
+    """Map another process's allocation into this one, on device ``ordinal``.
+
+    Peer access is enabled lazily, so a buffer of another GPU opens too.
+    """
+    if len(handle) != IPC_HANDLE_SIZE:
+        raise ValueError(f"an IPC memory handle is {IPC_HANDLE_SIZE} bytes, got {len(handle)}")
+    with on_device(ordinal) as driver:
+        h = driver.CUipcMemHandle()
+        ctypes.memmove(h.getPtr(), handle, IPC_HANDLE_SIZE)
+        flags = driver.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+        ptr = _check(
+            "cuIpcOpenMemHandle",
+            driver.cuIpcOpenMemHandle(h, flags),
+            hint="The owner may have exited, or the processes do not share a PID namespace",
+        )
+    return int(ptr)
+
+
+def ipc_close(ptr: int, ordinal: int) -> None:
+    with on_device(ordinal) as driver:
+        _check("cuIpcCloseMemHandle", driver.cuIpcCloseMemHandle(ptr))
+
+
+def memset(ptr: int, value: int, nbytes: int, ordinal: int) -> None:
+    with on_device(ordinal) as driver:
+        _check("cuMemsetD8", driver.cuMemsetD8(ptr, value, nbytes))
+
+
+def memset32(ptr: int, value: int, count: int, ordinal: int) -> None:
+    with on_device(ordinal) as driver:
+        _check("cuMemsetD32", driver.cuMemsetD32(ptr, value, count))
+
+
+def memcpy_htod(dst: int, src_host: int, nbytes: int, ordinal: int) -> None:
+    with on_device(ordinal) as driver:
+        _check("cuMemcpyHtoD", driver.cuMemcpyHtoD(dst, src_host, nbytes))
+
+
+def memcpy_dtoh(dst_host: int, src: int, nbytes: int, ordinal: int) -> None:
+    with on_device(ordinal) as driver:
+        _check("cuMemcpyDtoH", driver.cuMemcpyDtoH(dst_host, src, nbytes))
+
+
+def synchronize(ordinal: int) -> None:
+    with on_device(ordinal) as driver:
+        _check("cuCtxSynchronize", driver.cuCtxSynchronize())
+
+
+def memcpy(dst: int, src: int, nbytes: int, ordinal: int) -> None:
+    """Copy between any two device (or mapped) addresses; unified addressing finds them."""
+    with on_device(ordinal) as driver:
+        _check("cuMemcpy", driver.cuMemcpy(dst, src, nbytes))

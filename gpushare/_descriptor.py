@@ -1,0 +1,160 @@
+"""Descriptors: the small immutable value a shared buffer travels as.
+
+A descriptor names memory, never carries it. Its wire form is bytes::
+
+    magic "GPSH" | version u8 | backend u8 | flags u16
+    owner token (16 bytes) | alloc id u64 | generation u32 | lease id u64
+    alloc size u64 | offset u64 | device uuid (16 bytes)
+    length-prefixed: owner address, backend handle, dtype string
+    ndim u8, shape i64 * ndim
+    crc32 of everything before it, u32
+
+The owner token says which Manager issued it (and keys every cache), the
+owner address is where its lifetime service listens, the lease id is the
+reference this particular pickling took. :func:`Descriptor.from_bytes`
+checks every field and raises :class:`~gpushare._errors.DescriptorError`
+saying what was wrong, so corrupt or truncated bytes never reach a driver.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from ._errors import DescriptorError
+
+__all__ = ["BACKEND_CODES", "Descriptor"]
+
+MAGIC = b"GPSH"
+VERSION = 1
+BACKEND_CODES = {"host": 1, "cuda_ipc": 2, "cuda_vmm": 3, "cuda_pool": 4}
+_BACKEND_NAMES = {code: name for name, code in BACKEND_CODES.items()}
+_HEAD = struct.Struct("<4sBBH16sQIQQQ16s")
+_CRC = struct.Struct("<I")
+_MAX_NDIM = 32
+_MAX_FIELD = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class Descriptor:
+    backend: str
+    owner_token: bytes
+    address: str
+    alloc_id: int
+    generation: int
+    lease_id: int
+    alloc_nbytes: int
+    offset: int
+    device_uuid: bytes
+    handle: bytes
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+    def to_bytes(self) -> bytes:
+        address = self.address.encode()
+        dtype = self.dtype.encode()
+        parts = [
+            _HEAD.pack(
+                MAGIC,
+                VERSION,
+                BACKEND_CODES[self.backend],
+                0,
+                self.owner_token,
+                self.alloc_id,
+                self.generation,
+                self.lease_id,
+                self.alloc_nbytes,
+                self.offset,
+                self.device_uuid.ljust(16, b"\0"),
+            )
+        ]
+        for field in (address, self.handle, dtype):
+            parts.append(struct.pack("<H", len(field)))
+            parts.append(field)
+        parts.append(struct.pack(f"<B{len(self.shape)}q", len(self.shape), *self.shape))
+        body = b"".join(parts)
+        return body + _CRC.pack(zlib.crc32(body))
+
+    @classmethod
+    def from_bytes(cls, data: object) -> Descriptor:
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise DescriptorError(f"a buffer descriptor is bytes, got {type(data).__name__}")
+        data = bytes(data)
+        if len(data) < _HEAD.size + _CRC.size:
+            raise DescriptorError(
+                f"buffer descriptor truncated: {len(data)} bytes, a valid one has at least "
+                f"{_HEAD.size + _CRC.size}; pass the whole pickled buffer"
+            )
+        if data[:4] != MAGIC:
+            raise DescriptorError("not a gpushare buffer descriptor (bad magic); the bytes were corrupted or are not ours")
+        body, (crc,) = data[: -_CRC.size], _CRC.unpack(data[-_CRC.size :])
+        if zlib.crc32(body) != crc:
+            raise DescriptorError(
+                "buffer descriptor is corrupt (checksum mismatch); it was altered in transit, "
+                "send the buffer again"
+            )
+        (_, version, code, _flags, token, alloc_id, generation, lease_id, alloc_nbytes, offset, uuid) = (
+            _HEAD.unpack_from(body)
+        )
+        if version != VERSION:
+            raise DescriptorError(
+                f"buffer descriptor version {version}, this gpushare reads version {VERSION}; "
+                "run the same gpushare version in every process"
+            )
+        backend = _BACKEND_NAMES.get(code)
+        if backend is None:
+            raise DescriptorError(f"buffer descriptor names unknown backend code {code}")
+        pos = _HEAD.size
+        fields = []
+        try:
+            for _ in range(3):
+                (length,) = struct.unpack_from("<H", body, pos)
+                pos += 2
+                if length > _MAX_FIELD or pos + length > len(body):
+                    raise DescriptorError("buffer descriptor has a field running past its end")
+                fields.append(body[pos : pos + length])
+                pos += length
+            (ndim,) = struct.unpack_from("<B", body, pos)
+            pos += 1
+            if ndim > _MAX_NDIM:
+                raise DescriptorError(f"buffer descriptor has {ndim} dimensions, at most {_MAX_NDIM} are valid")
+            shape = struct.unpack_from(f"<{ndim}q", body, pos)
+            pos += 8 * ndim
+        except struct.error as exc:
+            raise DescriptorError(f"buffer descriptor truncated ({exc})") from exc
+        if pos != len(body):
+            raise DescriptorError(f"buffer descriptor has {len(body) - pos} unexpected trailing bytes")
+        try:
+            address = fields[0].decode()
+            dtype = np.dtype(fields[2].decode())
+        except (UnicodeDecodeError, TypeError) as exc:
+            raise DescriptorError(f"buffer descriptor has an invalid field: {exc}") from exc
+        if any(dim < 0 for dim in shape):
+            raise DescriptorError(f"buffer descriptor has a negative dimension in shape {shape}")
+        desc = cls(
+            backend,
+            token,
+            address,
+            alloc_id,
+            generation,
+            lease_id,
+            alloc_nbytes,
+            offset,
+            uuid if backend != "host" else b"",
+            fields[1],
+            dtype.str,
+            tuple(shape),
+        )
+        if desc.offset + desc.nbytes > desc.alloc_nbytes:
+            raise DescriptorError(
+                f"buffer descriptor describes bytes {desc.offset}..{desc.offset + desc.nbytes} "
+                f"of a {desc.alloc_nbytes}-byte allocation"
+            )
+        return desc

@@ -1,0 +1,103 @@
+"""The error hierarchy of gpushare, split by cause.
+
+Every exception raised on purpose by gpushare derives from
+:class:`GpushareError`, and each subclass says *who* broke what:
+
+* :class:`CUDAError` -- the CUDA driver refused a call (it carries the
+  driver's error name and text); :class:`CUDAOutOfMemoryError` is also a
+  :class:`MemoryError`.
+* :class:`NoDeviceError` -- no driver, no GPU, or a device that does not exist.
+* :class:`BufferReleasedError` -- closed by you: the buffer was released in
+  this process and its memory may no longer be touched from here.
+* :class:`ManagerClosedError` -- closed by you: the Manager was shut down.
+* :class:`OwnerGoneError` -- broken by the peer: the process that owns the
+  memory exited or can no longer be reached.
+* :class:`DescriptorError` -- a descriptor is corrupt, truncated, from an
+  incompatible version, or names a lease the owner does not know.
+* :class:`StartMethodError` -- a start method that cannot work with CUDA.
+* :class:`BackendUnavailableError` -- a backend this machine cannot run.
+
+Messages say what was wrong, what is valid, and what to do.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BackendUnavailableError",
+    "BufferReleasedError",
+    "CUDAError",
+    "CUDAOutOfMemoryError",
+    "DescriptorError",
+    "GpushareError",
+    "LeakWarning",
+    "LeaseExpiredWarning",
+    "ManagerClosedError",
+    "NoDeviceError",
+    "OwnerGoneError",
+    "StartMethodError",
+]
+
+
+class GpushareError(Exception):
+    """Base class of every error gpushare raises on purpose."""
+
+
+class CUDAError(GpushareError):
+    """A CUDA driver call failed.
+
+    ``name`` is the driver's error name (``"CUDA_ERROR_INVALID_VALUE"``),
+    ``code`` its number and ``call`` the driver function that returned it.
+    """
+
+    def __init__(self, call: str, code: int, name: str, text: str, hint: str = "") -> None:
+        self.call = call
+        self.code = code
+        self.name = name
+        self.text = text
+        message = f"{call} failed with {name} ({code}): {text}"
+        if hint:
+            message += f". {hint}"
+        super().__init__(message)
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (type(self), (self.call, self.code, self.name, self.text))
+
+
+class CUDAOutOfMemoryError(CUDAError, MemoryError):
+    """The device has no room for the allocation (CUDA_ERROR_OUT_OF_MEMORY)."""
+
+
+class NoDeviceError(GpushareError, RuntimeError):
+    """No CUDA driver, no GPU, or the requested device does not exist."""
+
+
+class BufferReleasedError(GpushareError, ValueError):
+    """The buffer was released in this process; its memory may not be touched here."""
+
+
+class ManagerClosedError(GpushareError, RuntimeError):
+    """The Manager was shut down; it allocates and shares nothing more."""
+
+
+class OwnerGoneError(GpushareError, ConnectionError):
+    """The process that owns the memory exited or stopped answering."""
+
+
+class DescriptorError(GpushareError, ValueError):
+    """A buffer descriptor is corrupt, truncated, foreign or stale."""
+
+
+class StartMethodError(GpushareError, RuntimeError):
+    """The start method cannot be used here (fork after CUDA was initialised)."""
+
+
+class BackendUnavailableError(GpushareError, RuntimeError):
+    """The requested sharing backend cannot run on this machine."""
+
+
+class LeakWarning(ResourceWarning):
+    """Buffers were still leased to other processes when their owner shut down."""
+
+
+class LeaseExpiredWarning(RuntimeWarning):
+    """A lease taken by pickling a buffer was never claimed and has expired."""

@@ -1,0 +1,169 @@
+"""Zero-copy views of a Buffer for other libraries.
+
+* ``__cuda_array_interface__`` version 3 (torch, CuPy, Numba, JAX): the
+  pointer, shape and ``typestr``; ``strides`` None (C order); ``stream``
+  None, because a buffer carries no pending work of its own (the producer
+  synchronises its work before sharing).
+* DLPack (``torch.from_dlpack``, ``cupy.from_dlpack``, ``jax.dlpack``): on
+  the host backend NumPy's own exporter over the zero-copy view; on CUDA a
+  ``DLManagedTensor`` built here with ctypes in a capsule named
+  ``"dltensor"``. The tensor keeps a Buffer (a count on the memory) alive
+  until the consumer calls the deleter, so the consumer's tensor stays
+  valid even after the user releases the original Buffer.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import Any
+
+import numpy as np
+
+from . import _cuda
+
+__all__ = ["copy_from_cuda_array", "cuda_array_interface", "dlpack_device", "to_dlpack"]
+
+KDL_CPU = 1
+KDL_CUDA = 2
+_DL_CODES = {"i": 0, "u": 1, "f": 2, "c": 5, "b": 6}
+
+
+def cuda_array_interface(buf: Any) -> dict[str, Any]:
+    return {
+        "shape": buf.shape,
+        "typestr": buf.dtype.str,
+        "descr": [("", buf.dtype.str)],
+        "data": (buf.ptr, False),
+        "strides": None,
+        "version": 3,
+        "stream": None,
+    }
+
+
+def copy_from_cuda_array(buf: Any, cai: dict[str, Any]) -> None:
+    shape = tuple(cai["shape"])
+    dtype = np.dtype(cai["typestr"])
+    size = int(np.prod(shape, dtype=np.int64))
+    if dtype != buf.dtype or size != buf.size:
+        raise ValueError(
+            f"cannot copy a CUDA array of shape {shape} and dtype {dtype} into a buffer of shape "
+            f"{buf.shape} and dtype {buf.dtype}: device copies need the same dtype and element count"
+        )
+    strides = cai.get("strides")
+    if strides is not None and tuple(strides) != buf.view(shape=shape).strides:
+        raise ValueError("the source CUDA array is not C-contiguous; make it contiguous first")
+    if buf.nbytes:
+        _cuda.memcpy(buf.ptr, int(cai["data"][0]), buf.nbytes, buf._memory.device)
+
+
+def dlpack_device(buf: Any) -> tuple[int, int]:
+    device = buf._memory.device
+    return (KDL_CPU, 0) if device is None else (KDL_CUDA, device)
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device", _DLDevice),
+        ("ndim", ctypes.c_int32),
+        ("dtype", _DLDataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    ]
+
+
+class _DLManagedTensor(ctypes.Structure):
+    pass
+
+
+_DELETER = ctypes.CFUNCTYPE(None, ctypes.POINTER(_DLManagedTensor))
+_DLManagedTensor._fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", _DELETER)]
+
+# Exported tensors still owned by a consumer, by the address of their struct.
+_live: dict[int, tuple[Any, ...]] = {}
+_live_lock = threading.Lock()
+
+
+@_DELETER
+def _deleter(managed: Any) -> None:
+    with _live_lock:
+        _live.pop(ctypes.addressof(managed.contents), None)
+
+
+_CAPSULE_DESTRUCTOR = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+_capsule_new = ctypes.pythonapi.PyCapsule_New
+_capsule_new.restype = ctypes.py_object
+_capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, _CAPSULE_DESTRUCTOR]
+# The destructor gets a PyObject* of a capsule being destroyed: look at it
+# through raw-pointer prototypes so no new reference to it is ever made.
+_capsule_is_valid = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p)(
+    ("PyCapsule_IsValid", ctypes.pythonapi)
+)
+_capsule_get_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p)(
+    ("PyCapsule_GetPointer", ctypes.pythonapi)
+)
+
+
+@_CAPSULE_DESTRUCTOR
+def _capsule_destructor(capsule: int) -> None:
+    # A capsule never consumed keeps its name "dltensor": free it ourselves.
+    # A consumed one was renamed "used_dltensor" and its consumer calls the deleter.
+    if _capsule_is_valid(capsule, b"dltensor"):
+        address = _capsule_get_pointer(capsule, b"dltensor")
+        with _live_lock:
+            _live.pop(address, None)
+
+
+def to_dlpack(
+    buf: Any,
+    *,
+    stream: object = None,
+    max_version: tuple[int, int] | None = None,
+    dl_device: tuple[int, int] | None = None,
+    copy: bool | None = None,
+) -> Any:
+    buf._check()
+    if copy:
+        raise BufferError("gpushare exports views only (copy=True is not supported); copy on the consumer side")
+    if dl_device is not None and tuple(dl_device) != dlpack_device(buf):
+        raise BufferError(f"this buffer lives on DLPack device {dlpack_device(buf)}, not {tuple(dl_device)}")
+    if buf._memory.device is None:
+        view = buf.numpy()
+        if max_version is None:
+            return view.__dlpack__()
+        return view.__dlpack__(max_version=max_version)
+    ndim = buf.ndim
+    shape = (ctypes.c_int64 * max(ndim, 1))(*buf.shape)
+    strides = (ctypes.c_int64 * max(ndim, 1))(*[s // buf.dtype.itemsize for s in buf.strides])
+    managed = _DLManagedTensor()
+    tensor = managed.dl_tensor
+    tensor.data = buf.ptr
+    tensor.device = _DLDevice(KDL_CUDA, buf._memory.device)
+    tensor.ndim = ndim
+    kind = "b" if buf.dtype == np.bool_ else buf.dtype.kind
+    tensor.dtype = _DLDataType(_DL_CODES[kind], buf.dtype.itemsize * 8, 1)
+    tensor.shape = ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64))
+    tensor.strides = ctypes.cast(strides, ctypes.POINTER(ctypes.c_int64))
+    tensor.byte_offset = 0
+    managed.manager_ctx = None
+    managed.deleter = _deleter
+    keep = buf.view()  # its own count on the memory, alive until the deleter runs
+    address = ctypes.addressof(managed)
+    with _live_lock:
+        _live[address] = (managed, shape, strides, keep)
+    return _capsule_new(address, b"dltensor", _capsule_destructor)
+
+
+def live_exports() -> int:
+    """DLPack tensors handed out and not yet deleted (for tests)."""
+    return len(_live)

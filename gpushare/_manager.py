@@ -1,0 +1,142 @@
+"""The Manager: a multiprocessing SyncManager that also owns shared buffers.
+
+``dict()``, ``list()``, ``Queue()`` and the rest work exactly as in
+:mod:`multiprocessing` (they are served by the usual manager server
+process). Buffers are different: they are allocated *in the process that
+created the Manager*, which owns them, and their lifetime is run by the
+:class:`~gpushare._lifetime.Owner` service in that process (see that
+module for the lease protocol).
+
+Sizes are rounded up to a multiple of 2 MiB so that no two buffers ever
+share an exported driver allocation, and freed allocations go to a
+size-class pool keyed by (backend, device, rounded size).
+"""
+
+from __future__ import annotations
+
+import math
+from multiprocessing import current_process
+from multiprocessing.managers import SyncManager
+from typing import Any
+
+import numpy as np
+
+from . import _backends
+from ._buffer import Buffer, check_dtype, check_shape
+from ._errors import ManagerClosedError
+from ._lifetime import Owner
+
+__all__ = ["GRANULARITY", "BufferManager", "round_size"]
+
+#: Every allocation is a multiple of this (the CUDA VMM granularity, 2 MiB).
+GRANULARITY = 2 << 20
+_MAX_BYTES = 1 << 50  # beyond any device; catches overflowing shapes early
+
+
+def round_size(nbytes: int) -> int:
+    return max(1, math.ceil(nbytes / GRANULARITY)) * GRANULARITY
+
+
+class BufferManager(SyncManager):
+    """A multiprocessing Manager that allocates buffers other processes can map.
+
+    Parameters beyond SyncManager's:
+
+    backend
+        Default backend for CUDA buffers (``"cuda_ipc"``).
+    lease_timeout
+        Seconds a pickled-but-never-unpickled buffer stays leased (60).
+    release_timeout
+        Seconds shutdown waits for workers to release their buffers (5).
+    pool_limit
+        Bytes of freed allocations kept for reuse (None: no limit; see trim()).
+    """
+
+    def __init__(
+        self,
+        address: Any = None,
+        authkey: bytes | None = None,
+        serializer: str = "pickle",
+        ctx: Any = None,
+        *,
+        backend: str | None = None,
+        lease_timeout: float = 60.0,
+        release_timeout: float = 5.0,
+        pool_limit: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if ctx is None:
+            from ._context import get_context
+
+            ctx = get_context()
+        super().__init__(address, authkey, serializer, ctx, **kwargs)
+        if backend is not None:
+            _backends.get(backend)  # unknown names fail here, not at first use
+        self._default_backend = backend
+        self._owner_options = {
+            "lease_timeout": lease_timeout,
+            "shutdown_timeout": release_timeout,
+            "pool_limit": pool_limit,
+        }
+        self._owner: Owner | None = None
+
+    # -- lifecycle -----------------------------------------------------------
+    def start(self, initializer: Any = None, initargs: tuple[Any, ...] = ()) -> None:
+        super().start(initializer, initargs)
+        self._owner = Owner(authkey=bytes(current_process().authkey), **self._owner_options)
+        server_shutdown = self.shutdown  # SyncManager.start() installs a Finalize here
+        owner = self._owner
+
+        def shutdown(timeout: float | None = None) -> None:
+            try:
+                owner.shutdown(timeout)
+            finally:
+                server_shutdown()
+
+        self.shutdown = shutdown  # type: ignore[method-assign]
+
+    def _require_owner(self) -> Owner:
+        if self._owner is None:
+            raise ManagerClosedError("the Manager is not started; use 'with gpushare.Manager() as m:'")
+        return self._owner
+
+    # -- allocation ------------------------------------------------------------
+    def empty(self, shape: Any, dtype: Any = "float32", device: Any = None, *, backend: str | None = None) -> Buffer:
+        """An uninitialised buffer (contents are whatever the memory held)."""
+        dims = check_shape(shape)
+        dt = check_dtype(dtype)
+        nbytes = math.prod(dims) * dt.itemsize
+        if nbytes > _MAX_BYTES:
+            raise MemoryError(f"shape {dims} of {dt} needs {nbytes} bytes, more than any device holds")
+        chosen, ordinal = _backends.resolve(device, backend or self._default_backend)
+        label = f"{dims} {dt} on {'cpu' if ordinal is None else f'cuda:{ordinal}'}"
+        memory = self._require_owner().allocate(chosen, round_size(nbytes), ordinal, label)
+        return Buffer(memory, 0, dims, dt)
+
+    def zeros(self, shape: Any, dtype: Any = "float32", device: Any = None, *, backend: str | None = None) -> Buffer:
+        return self.empty(shape, dtype, device, backend=backend).fill(0)
+
+    def full(
+        self, shape: Any, value: Any, dtype: Any = "float32", device: Any = None, *, backend: str | None = None
+    ) -> Buffer:
+        return self.empty(shape, dtype, device, backend=backend).fill(value)
+
+    def from_numpy(self, array: Any, device: Any = None, *, backend: str | None = None) -> Buffer:
+        """A buffer holding a copy of ``array`` (host -> device on CUDA)."""
+        src = np.asarray(array)
+        return self.empty(src.shape, src.dtype, device, backend=backend).copy_from(src)
+
+    def buffer(self, nbytes: int, device: Any = None, *, backend: str | None = None) -> Buffer:
+        """An untyped buffer of ``nbytes`` bytes (dtype uint8); see Buffer.view()."""
+        if int(nbytes) < 0:
+            raise ValueError(f"nbytes={nbytes} is negative")
+        return self.empty((int(nbytes),), "uint8", device, backend=backend)
+
+    # -- observability and upkeep ------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Counts of buffers, bytes, leases and consumers (see docs/design.md)."""
+        return self._require_owner().stats()
+
+    def trim(self) -> int:
+        """Free every pooled (unused) allocation now; return the bytes freed."""
+        return self._require_owner().trim()

@@ -1,0 +1,91 @@
+"""Test configuration: GPU marker, --require-gpu, and process hygiene.
+
+* ``@pytest.mark.gpu`` tests skip with a reason when no GPU is usable; with
+  ``--require-gpu`` that skip becomes a failure, so a GPU run cannot pass by
+  skipping.
+* Every test that starts processes uses the ``reap`` fixture (or the
+  helpers here), which kills whatever a test left running, so a stuck child
+  cannot wedge the suite; pytest-timeout bounds each test.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+import gpushare as mp
+from gpushare import _cuda
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--require-gpu",
+        action="store_true",
+        default=False,
+        help="fail, instead of skipping, GPU tests when no GPU is usable",
+    )
+
+
+def _gpu_count() -> int:
+    try:
+        return _cuda.device_count()
+    except mp.NoDeviceError:
+        return 0
+
+
+_GPUS: int | None = None
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    global _GPUS
+    need = 2 if "multigpu" in item.keywords else 1 if "gpu" in item.keywords else 0
+    if not need:
+        return
+    if _GPUS is None:
+        _GPUS = _gpu_count()
+    if _GPUS < need:
+        reason = f"needs {need} GPU(s); this machine has {_GPUS}"
+        if item.config.getoption("--require-gpu"):
+            pytest.fail(f"--require-gpu: {reason}", pytrace=False)
+        pytest.skip(reason)
+
+
+@pytest.fixture
+def reap() -> Iterator[list[multiprocessing.process.BaseProcess]]:
+    """A list to put started processes in; survivors are killed after the test."""
+    procs: list[multiprocessing.process.BaseProcess] = []
+    yield procs
+    for proc in procs:
+        proc.join(timeout=10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5)
+
+
+@pytest.fixture
+def manager() -> Iterator[mp.BufferManager]:
+    with mp.Manager(release_timeout=2.0) as m:
+        yield m
+
+
+def wait_until(predicate: Callable[[], object], timeout: float = 5.0, interval: float = 0.02) -> None:
+    """Poll until ``predicate()`` is true; fail the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if predicate():
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"condition not met within {timeout} s: {predicate}")
+        time.sleep(interval)
+
+
+@pytest.fixture(autouse=True)
+def _no_inherited_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Tests say which device they want; a developer's environment must not change that.
+    for var in ("GPUSHARE_BACKEND", "GPUSHARE_DEVICE"):
+        if var in os.environ:
+            monkeypatch.delenv(var)
