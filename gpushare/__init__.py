@@ -4,7 +4,7 @@
 every public name of :mod:`multiprocessing` is here, bound to gpushare's
 default context (spawn start method, gpushare Process and Manager), and
 buffers made by ``mp.Manager()`` travel through queues, pipes and process
-arguments as small descriptors that the receiver maps with no copy.
+argumentsmall descriptors that the receiver maps with no copy.
 
 This module is only a facade: the implementation lives in private modules.
 """
@@ -37,7 +37,7 @@ __version__ = "0.1.0"
 _MULTIPROCESSING_NAMES = list(_multiprocessing.__all__)
 globals().update((name, getattr(_default_context, name)) for name in _MULTIPROCESSING_NAMES)
 
-_OWN_NAMES = [
+__all__ = [
     "GRANULARITY",
     "BackendUnavailableError",
     "Buffer",
@@ -55,4 +55,4 @@ _OWN_NAMES = [
     "StartMethodError",
 ]
 
-__all__ = sorted(set(_MULTIPROCESSING_NAMES) | set(_OWN_NAMES))
+__all__ += [name for name in _MULTIPROCESSING_NAMES if name not in __all__]

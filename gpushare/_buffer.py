@@ -54,9 +54,11 @@ def check_dtype(dtype: object) -> np.dtype[Any]:
 def check_shape(shape: object) -> tuple[int, ...]:
     if isinstance(shape, (int, np.integer)):
         shape = (int(shape),)
+    if isinstance(shape, (str, bytes)):
+        raise ValueError(f"shape={shape!r} is not a tuple of ints")
     try:
         dims = tuple(int(d) for d in shape)  # type: ignore[attr-defined]
-    except TypeError as exc:
+    except (TypeError, ValueError) as exc:
         raise ValueError(f"shape={shape!r} is not a tuple of ints") from exc
     if any(d < 0 for d in dims):
         raise ValueError(f"shape={dims} has a negative dimension; dimensions are >= 0")
@@ -264,7 +266,7 @@ class Buffer:
             if self.nbytes % dt.itemsize:
                 raise ValueError(f"{self.nbytes} bytes are not a whole number of {dt} items")
             if self._shape and (self._shape[-1] * self._dtype.itemsize) % dt.itemsize == 0:
-                new_shape = self._shape[:-1] + (self._shape[-1] * self._dtype.itemsize // dt.itemsize,)
+                new_shape = (*self._shape[:-1], self._shape[-1] * self._dtype.itemsize // dt.itemsize)
             else:
                 new_shape = (self.nbytes // dt.itemsize,)
         else:
@@ -312,7 +314,9 @@ class Buffer:
             return self
         src = np.ascontiguousarray(np.asarray(array), dtype=self._dtype)
         if src.size != self.size:
-            raise ValueError(f"cannot copy {src.size} elements (shape {src.shape}) into a buffer of shape {self._shape}")
+            raise ValueError(
+                f"cannot copy {src.size} elements (shape {src.shape}) into a buffer of shape {self._shape}"
+            )
         if self.nbytes:
             memory.backend.copy_in(self.ptr, src.ctypes.data, self.nbytes, memory.device)
         return self

@@ -40,7 +40,21 @@ class ForkProcess(GpuProcessMixin, _mpctx.ForkProcess):
 
 
 class _ManagerMixin:
-    def Manager(self, **options: Any) -> Any:  # noqa: N802 - multiprocessing's name
+    """What gpushare's contexts change: Manager, Queue, JoinableQueue."""
+
+    def Queue(self, maxsize: int = 0) -> Any:
+        """A queue that pickles items in ``put()`` (see gpushare._queues)."""
+        from ._queues import Queue
+
+        return Queue(maxsize, ctx=self.get_context())  # type: ignore[attr-defined]
+
+    def JoinableQueue(self, maxsize: int = 0) -> Any:
+        """A joinable queue that pickles items in ``put()`` (see gpushare._queues)."""
+        from ._queues import JoinableQueue
+
+        return JoinableQueue(maxsize, ctx=self.get_context())  # type: ignore[attr-defined]
+
+    def Manager(self, **options: Any) -> Any:
         """A started :class:`~gpushare.BufferManager` (also a full multiprocessing Manager)."""
         from ._manager import BufferManager
 
@@ -77,7 +91,7 @@ class Process(GpuProcessMixin):
     _start_method = None
 
     @staticmethod
-    def _Popen(process_obj: Any) -> Any:  # noqa: N802 - multiprocessing's name
+    def _Popen(process_obj: Any) -> Any:
         return _default_context.get_context().Process._Popen(process_obj)
 
     @staticmethod
@@ -86,7 +100,9 @@ class Process(GpuProcessMixin):
 
 
 class DefaultContext(_ManagerMixin, _mpctx.DefaultContext):
-    Process = Process
+    Process = Process  # type: ignore[assignment]
+    _actual_context: Any
+    _default_context: Any
 
     def get_context(self, method: str | None = None) -> Any:
         if method is None:

@@ -18,6 +18,7 @@ saying what was wrong, so corrupt or truncated bytes never reach a driver.
 
 from __future__ import annotations
 
+import math
 import struct
 import zlib
 from dataclasses import dataclass
@@ -55,7 +56,7 @@ class Descriptor:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
 
     def to_bytes(self) -> bytes:
         address = self.address.encode()
@@ -93,12 +94,13 @@ class Descriptor:
                 f"{_HEAD.size + _CRC.size}; pass the whole pickled buffer"
             )
         if data[:4] != MAGIC:
-            raise DescriptorError("not a gpushare buffer descriptor (bad magic); the bytes were corrupted or are not ours")
+            raise DescriptorError(
+                "not a gpushare buffer descriptor (bad magic); the bytes were corrupted or are not ours"
+            )
         body, (crc,) = data[: -_CRC.size], _CRC.unpack(data[-_CRC.size :])
         if zlib.crc32(body) != crc:
             raise DescriptorError(
-                "buffer descriptor is corrupt (checksum mismatch); it was altered in transit, "
-                "send the buffer again"
+                "buffer descriptor is corrupt (checksum mismatch); it was altered in transit, send the buffer again"
             )
         (_, version, code, _flags, token, alloc_id, generation, lease_id, alloc_nbytes, offset, uuid) = (
             _HEAD.unpack_from(body)

@@ -73,7 +73,7 @@ class BufferManager(SyncManager):
         if backend is not None:
             _backends.get(backend)  # unknown names fail here, not at first use
         self._default_backend = backend
-        self._owner_options = {
+        self._owner_options: dict[str, Any] = {
             "lease_timeout": lease_timeout,
             "shutdown_timeout": release_timeout,
             "pool_limit": pool_limit,
@@ -81,7 +81,7 @@ class BufferManager(SyncManager):
         self._owner: Owner | None = None
 
     # -- lifecycle -----------------------------------------------------------
-    def start(self, initializer: Any = None, initargs: tuple[Any, ...] = ()) -> None:
+    def start(self, initializer: Any = None, initargs: Any = ()) -> None:
         super().start(initializer, initargs)
         self._owner = Owner(authkey=bytes(current_process().authkey), **self._owner_options)
         server_shutdown = self.shutdown  # SyncManager.start() installs a Finalize here
@@ -93,7 +93,7 @@ class BufferManager(SyncManager):
             finally:
                 server_shutdown()
 
-        self.shutdown = shutdown  # type: ignore[method-assign]
+        self.shutdown = shutdown  # type: ignore[method-assign,assignment]
 
     def _require_owner(self) -> Owner:
         if self._owner is None:

@@ -125,7 +125,7 @@ class GpuProcessMixin(BaseProcess):
                 "this process, and a forked child cannot use it (CUDA_ERROR_NOT_INITIALIZED). Use the "
                 "default 'spawn' (gpushare.set_start_method('spawn')) or 'forkserver'"
             )
-        self._target = _portable(self._target)  # type: ignore[attr-defined]
+        self._target = _portable(getattr(self, "_target", None))
         super().start()
 
     def run(self) -> None:

@@ -89,3 +89,14 @@ def _no_inherited_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     for var in ("GPUSHARE_BACKEND", "GPUSHARE_DEVICE"):
         if var in os.environ:
             monkeypatch.delenv(var)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """The environment for a child Python: gpushare importable from this checkout."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH", "")) if p)
+    env.update(extra)
+    return env

@@ -43,9 +43,7 @@ def get(name: str) -> Backend:
 
                 backend = CudaIpcBackend()
             else:
-                raise BackendUnavailableError(
-                    f"unknown backend {name!r}; valid backends are {', '.join(BACKENDS)}"
-                )
+                raise BackendUnavailableError(f"unknown backend {name!r}; valid backends are {', '.join(BACKENDS)}")
             _instances[name] = backend
     return backend
 
@@ -89,6 +87,8 @@ def resolve(device: object, backend: str | None = None) -> tuple[Backend, int | 
     """
     global _warned_no_gpu
     parsed = parse_device(device)
+    if backend is not None and backend not in BACKENDS:
+        get(backend)  # raises, naming the valid backends
     if backend == "host" and parsed not in (None, "cpu"):
         raise BackendUnavailableError(
             f"backend='host' shares host memory, but device={device!r} names a GPU; "
@@ -115,6 +115,11 @@ def resolve(device: object, backend: str | None = None) -> tuple[Backend, int | 
                 )
             parsed = "cpu"
     if parsed == "cpu":
+        if backend not in (None, "host"):
+            raise BackendUnavailableError(
+                f"backend={backend!r} shares GPU memory, but device='cpu' asks for host memory; "
+                "use backend='host' (or no backend) with device='cpu'"
+            )
         return get("host"), None
     assert isinstance(parsed, int)
     count = _cuda.device_count()  # NoDeviceError with no driver / no GPU

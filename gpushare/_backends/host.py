@@ -13,9 +13,9 @@ clean run prints no leaked-segment warnings. Consumers never register
 unlink twice and warn, gh-82300).
 
 Unmapping while NumPy arrays still view the segment would invalidate
-them, so when an ``mmap`` still has exports it is left for the garbage
-collector to close after the last array goes: memory stays valid for as
-long as anything can reach it.
+them, so an ``mmap`` is never closed explicitly: it is unmapped when its
+last reference (a Buffer, a NumPy view) is collected, and memory stays
+valid for as long as anything can reach it.
 """
 
 from __future__ import annotations
@@ -50,11 +50,14 @@ def _address(mm: mmap.mmap) -> int:
 
 
 def _close(mm: mmap.mmap) -> None:
-    try:
-        mm.close()
-    except BufferError:
-        # NumPy arrays still view it; the mmap closes when the last one dies.
-        pass
+    """Forget a mapping without unmapping it under NumPy arrays.
+
+    NumPy views keep a reference to the mmap object but hold no buffer
+    export on it, so ``mm.close()`` would succeed and leave them dangling.
+    Dropping our reference instead unmaps the memory when the last array
+    (or the last Buffer) referring to it is collected.
+    """
+    del mm
 
 
 class HostBackend(_base.Backend):
@@ -121,7 +124,9 @@ class HostBackend(_base.Backend):
             return
         count = nbytes // len(pattern)
         target = (ctypes.c_char * nbytes).from_address(ptr)
-        np.frombuffer(target, dtype=np.uint8).reshape(count, len(pattern))[:] = np.frombuffer(pattern, np.uint8)
+        np.frombuffer(memoryview(target), dtype=np.uint8).reshape(count, len(pattern))[:] = np.frombuffer(
+            pattern, np.uint8
+        )
 
     def copy_in(self, ptr: int, host_ptr: int, nbytes: int, device: int | None) -> None:
         ctypes.memmove(ptr, host_ptr, nbytes)

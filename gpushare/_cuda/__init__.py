@@ -97,7 +97,9 @@ def _load() -> Any:
             raise _init_error from exc
         if err != driver.CUresult.CUDA_SUCCESS:
             name = _error_name(driver, err)
-            _init_error = NoDeviceError(f"cuInit failed with {name}: the CUDA driver sees no usable GPU. {_NO_GPU_HINT}.")
+            _init_error = NoDeviceError(
+                f"cuInit failed with {name}: the CUDA driver sees no usable GPU. {_NO_GPU_HINT}."
+            )
             raise _init_error
         _driver = driver
         return driver
@@ -119,7 +121,7 @@ def _check(call: str, result: tuple[Any, ...], hint: str = "") -> Any:
     err = result[0]
     if err != driver.CUresult.CUDA_SUCCESS:
         name = _error_name(driver, err)
-        res, text = driver.cuGetErrorString(err)
+        _, text = driver.cuGetErrorString(err)
         text = text.decode() if isinstance(text, bytes) else str(text)
         cls = CUDAOutOfMemoryError if err == driver.CUresult.CUDA_ERROR_OUT_OF_MEMORY else CUDAError
         raise cls(call, int(err), name, text, hint)
