@@ -59,6 +59,7 @@ __all__ = [
 ]
 
 IPC_HANDLE_SIZE = 64
+_IPC_LAZY_ENABLE_PEER_ACCESS = 1  # CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
 
 _lock = threading.RLock()
 _driver: Any = None
@@ -299,10 +300,9 @@ def ipc_open(handle: bytes, ordinal: int) -> int:
     with on_device(ordinal) as driver:
         h = driver.CUipcMemHandle()
         ctypes.memmove(h.getPtr(), handle, IPC_HANDLE_SIZE)
-        flags = driver.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
         ptr = _check(
             "cuIpcOpenMemHandle",
-            driver.cuIpcOpenMemHandle(h, flags),
+            driver.cuIpcOpenMemHandle(h, _IPC_LAZY_ENABLE_PEER_ACCESS),
             hint="The owner may have exited, or the processes do not share a PID namespace",
         )
     return int(ptr)

@@ -1,0 +1,43 @@
+"""The examples run end to end (host backend here; the GPU run covers CUDA)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT, subprocess_env
+
+EXAMPLES = ["fanout.py", "producer_consumer.py", "pool_map.py"]
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_example_runs_on_host_backend(name: str) -> None:
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", name)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=subprocess_env(GPUSHARE_BACKEND="host"),
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "Traceback" not in out.stderr
+    if name == "fanout.py":
+        assert "backend: host" in out.stdout
+        assert out.stdout.count("[ok]") == 4
+        assert "leases outstanding after the workers exited: 0" in out.stdout
+
+
+@pytest.mark.gpu
+def test_fanout_example_runs_on_gpu() -> None:
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", "fanout.py")],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=subprocess_env(),
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "backend: cuda_ipc on 0" in out.stdout
+    assert out.stdout.count("[ok]") == 4
