@@ -53,6 +53,9 @@ def copy_from_cuda_array(buf: Any, cai: dict[str, Any]) -> None:
     strides = cai.get("strides")
     if strides is not None and tuple(strides) != buf.view(shape=shape).strides:
         raise ValueError("the source CUDA array is not C-contiguous; make it contiguous first")
+    stream = cai.get("stream")
+    if stream:  # v3: the producer's work on this stream must finish before we read
+        _cuda.stream_synchronize(int(stream), buf._memory.device)
     if buf.nbytes:
         _cuda.memcpy(buf.ptr, int(cai["data"][0]), buf.nbytes, buf._memory.device)
 

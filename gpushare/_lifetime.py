@@ -123,7 +123,8 @@ class _Slot:
     leases: set[int] = field(default_factory=set)
     mappers: set[int] = field(default_factory=set)
     pooled: bool = False
-    dead: bool = False
+    dead: bool = False  # memory freed
+    detached: bool = False  # Manager shut down while the owner still used it: free on drop
     label: str = ""
 
     @property
@@ -301,17 +302,22 @@ class Owner:
     def _check_slot(self, slot: _Slot) -> None:
         if slot.dead:
             raise ManagerClosedError(
-                "the Manager that owns this buffer was shut down and its memory freed; "
+                "the memory of this buffer was freed (its Manager was shut down); "
                 "keep the Manager open while buffers are in use"
             )
 
     def _drop_owner_ref(self, slot: _Slot) -> None:
+        """Lock held."""
         slot.owner_ref = False
+        if slot.detached and not slot.leases:
+            # Shut down while this process still used it: free it now that it is unused.
+            self._free_locked(slot)
+            return
         self._maybe_recycle(slot)
 
     def _maybe_recycle(self, slot: _Slot) -> None:
         """Lock held. Put an unreferenced slot back in the pool."""
-        if slot.owner_ref or slot.leases or slot.pooled or slot.dead:
+        if slot.owner_ref or slot.leases or slot.pooled or slot.dead or self._closed:
             return
         slot.pooled = True
         self._pool.setdefault(slot.pool_key, []).append(slot)
@@ -511,15 +517,16 @@ class Owner:
         slot.pooled = False
 
     # -- freeing ---------------------------------------------------------------
-    def _destroy(self, slot: _Slot) -> bool:
-        """Free a slot nobody references, after every mapper has unmapped it."""
+    def _unmap_everywhere(self, slot: _Slot) -> bool:
+        """Ask every process that mapped ``slot`` to unmap it; True once all have.
+
+        A process that refuses (it still uses the memory) or does not answer
+        within ``unmap_timeout`` makes the slot leak: it is never freed.
+        """
         with self._lock:
-            waits: dict[int, bool | None] = {conn_id: None for conn_id in slot.mappers}
+            waits: dict[int, bool | None] = {c: (None if c in self._peers else True) for c in slot.mappers}
             self._unmap_waits[slot.alloc_id] = waits
             peers = [self._peers[c] for c in slot.mappers if c in self._peers]
-            for conn_id in slot.mappers:
-                if conn_id not in self._peers:
-                    waits[conn_id] = True
         for peer in peers:
             if not peer.send(("unmap", slot.alloc_id)):
                 with self._lock:
@@ -530,22 +537,31 @@ class Owner:
                 self._cond.wait(max(0.0, deadline - time.monotonic()))
             del self._unmap_waits[slot.alloc_id]
             refused = [c for c, ok in waits.items() if not ok]
-            if refused:
-                self._leaked.append(slot)
-                slot.dead = True
-                pids = [self._peers[c].pid for c in refused if c in self._peers]
-            else:
-                self._slots.pop(slot.alloc_id, None)
-                slot.dead = True
-        if refused:
-            _warn(
-                f"gpushare: allocation {slot.alloc_id} ({slot.label}) is still mapped by process(es) "
-                f"{pids or refused}, which did not unmap it within {self.unmap_timeout:g} s; it is leaked "
-                "rather than freed under them",
-                LeakWarning,
-            )
-            return False
+            if not refused:
+                return True
+            self._leaked.append(slot)
+            pids = [self._peers[c].pid for c in refused if c in self._peers]
+        _warn(
+            f"gpushare: allocation {slot.alloc_id} ({slot.label}) is still mapped by process(es) "
+            f"{pids or refused}, which did not unmap it within {self.unmap_timeout:g} s; it is leaked "
+            "rather than freed under them",
+            LeakWarning,
+        )
+        return False
+
+    def _free_locked(self, slot: _Slot) -> None:
+        """Give a slot's memory back to its backend. Nobody maps it any more."""
+        if slot.dead:
+            return
+        slot.dead = True
+        self._slots.pop(slot.alloc_id, None)
         slot.backend.free(slot.allocation)
+
+    def _destroy(self, slot: _Slot) -> bool:
+        if not self._unmap_everywhere(slot):
+            return False
+        with self._lock:
+            self._free_locked(slot)
         return True
 
     def trim(self) -> int:
@@ -597,39 +613,39 @@ class Owner:
                 self._cond.wait(min(0.05, max(0.0, deadline - time.monotonic())))
                 self._drain_locked()
             outstanding = list(self._leases.values())
-            free = [s for s in self._slots.values() if not s.leases and not s.dead]
-            for slot in free:
+            unleased = [s for s in self._slots.values() if not s.leases and not s.dead]
+            for slot in unleased:
                 if slot.pooled:
                     self._unpool_locked(slot)
         if outstanding:
             names = sorted({f"allocation {lease.slot.alloc_id} ({lease.slot.label})" for lease in outstanding})
             holders = sorted({self._holder_name(lease) for lease in outstanding})
+            with self._lock:
+                self._leaked.extend({lease.slot for lease in outstanding})
             _warn(
                 f"gpushare: Manager shut down with {len(outstanding)} lease(s) outstanding after {timeout:g} s: "
                 f"{', '.join(names)}, held by {', '.join(holders)}. That memory is leaked (not freed under "
                 "its users) until this process exits; release buffers in workers before shutting down",
                 LeakWarning,
             )
-        for slot in free:
-            self._destroy(slot)
+        for slot in unleased:
+            if not self._unmap_everywhere(slot):
+                continue
+            with self._lock:
+                if slot.owner_ref:
+                    slot.detached = True  # still used here: freed when its last Buffer goes
+                else:
+                    self._free_locked(slot)
         with self._lock:
-            for lease in outstanding:
-                lease.slot.dead = True
             peers = list(self._peers.values())
         for peer in peers:
             peer.send(("bye", "the owning Manager was shut down"))
             _wake(peer.conn)
         self._stop.set()
-        try:
-            self._sock.close()
-        finally:
-            for path in (self.address,):
-                try:
-                    os.unlink(path)
-                except OSError:
-                    pass
+        self._sock.close()
+        for remove, path in ((os.unlink, self.address), (os.rmdir, self._dir)):
             try:
-                os.rmdir(self._dir)
+                remove(path)
             except OSError:
                 pass
         for thread in self._threads:

@@ -28,6 +28,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=False,
         help="fail, instead of skipping, GPU tests when no GPU is usable",
     )
+    parser.addoption(
+        "--require-multigpu",
+        action="store_true",
+        default=False,
+        help="fail, instead of skipping, two-GPU tests when fewer than two GPUs are usable",
+    )
 
 
 def _gpu_count() -> int:
@@ -49,8 +55,9 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         _GPUS = _gpu_count()
     if _GPUS < need:
         reason = f"needs {need} GPU(s); this machine has {_GPUS}"
-        if item.config.getoption("--require-gpu"):
-            pytest.fail(f"--require-gpu: {reason}", pytrace=False)
+        option = "--require-multigpu" if need == 2 else "--require-gpu"
+        if item.config.getoption(option):
+            pytest.fail(f"{option}: {reason}", pytrace=False)
         pytest.skip(reason)
 
 

@@ -342,3 +342,10 @@ def memcpy(dst: int, src: int, nbytes: int, ordinal: int) -> None:
     """Copy between any two device (or mapped) addresses; unified addressing finds them."""
     with on_device(ordinal) as driver:
         _check("cuMemcpy", driver.cuMemcpy(dst, src, nbytes))
+
+
+def stream_synchronize(stream: int, ordinal: int) -> None:
+    """Wait for the work queued on ``stream`` (a CUstream handle as an int; 1 and 2 are
+    the legacy and per-thread default streams)."""
+    with on_device(ordinal) as driver:
+        _check("cuStreamSynchronize", driver.cuStreamSynchronize(driver.CUstream(stream)))
