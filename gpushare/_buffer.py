@@ -157,13 +157,14 @@ class Buffer:
     Buffers have no public constructor.
     """
 
-    __slots__ = ("__weakref__", "_dtype", "_finalizer", "_memory", "_offset", "_shape")
+    __slots__ = ("__weakref__", "_dtype", "_export", "_finalizer", "_memory", "_offset", "_shape")
 
     def __init__(self, memory: Memory, offset: int, shape: tuple[int, ...], dtype: np.dtype[Any]) -> None:
         self._memory = memory
         self._offset = offset
         self._shape = shape
         self._dtype = dtype
+        self._export: Buffer | None = None  # keeps memory handed out by pointer alive (see release())
         memory.acquire()
         self._finalizer = weakref.finalize(self, memory.drop_one)
 
@@ -244,6 +245,12 @@ class Buffer:
 
         In a worker this gives the lease back to the owner; in the owner the
         memory is recycled once no worker holds it either.
+
+        Memory already handed to another library is never pulled from under
+        it: NumPy arrays from :meth:`numpy` and DLPack tensors hold their own
+        reference, and a view taken through ``__cuda_array_interface__``
+        (which can only point back at this object) keeps the memory until
+        this Buffer object itself is garbage collected.
         """
         self._finalizer()
 
@@ -292,7 +299,7 @@ class Buffer:
         self._check()
         memory = self._memory
         if memory.device is None:
-            return np.ndarray(self._shape, self._dtype, buffer=memory.native, offset=self._offset)
+            return np.asarray(_HostView(self.view()))
         out = np.empty(self._shape, self._dtype)
         if self.nbytes:
             memory.backend.copy_out(out.ctypes.data, self.ptr, self.nbytes, memory.device)
@@ -336,20 +343,20 @@ class Buffer:
             raise AttributeError("a host-backend buffer has no __cuda_array_interface__; use numpy() or np.asarray()")
         from ._interop import cuda_array_interface
 
+        if self._export is None:
+            self._export = self.view()  # the consumer holds only `self`: see release()
         return cuda_array_interface(self)
 
-    @property
-    def __array_interface__(self) -> dict[str, Any]:
+    def __array__(self, dtype: object = None, copy: bool | None = None) -> np.ndarray[Any, Any]:
         if self._memory.device is not None:
-            raise AttributeError("a CUDA buffer has no __array_interface__; use buf.numpy() for a host copy")
-        self._check()
-        return {
-            "shape": self._shape,
-            "typestr": self._dtype.str,
-            "data": (self.ptr, False),
-            "strides": None,
-            "version": 3,
-        }
+            raise TypeError(
+                "a CUDA buffer cannot become a NumPy array implicitly; use buf.numpy() for a host copy, "
+                "or a GPU library (torch.as_tensor(buf, device='cuda'), cupy.asarray(buf))"
+            )
+        array = self.numpy()
+        if dtype is not None and np.dtype(dtype) != array.dtype:  # type: ignore[call-overload]
+            return array.astype(dtype)  # type: ignore[call-overload]
+        return array.copy() if copy else array
 
     def __dlpack__(
         self,
@@ -372,3 +379,24 @@ class Buffer:
         from ._reduction import reduce_buffer
 
         return reduce_buffer(self)
+
+
+class _HostView:
+    """Hands NumPy a host buffer's memory together with a reference that keeps it.
+
+    The resulting array's ``base`` is this object, whose Buffer holds a count
+    on the memory, so the allocation cannot be recycled under the array even
+    after the user releases the Buffer the array came from.
+    """
+
+    __slots__ = ("__array_interface__", "buffer")
+
+    def __init__(self, buffer: Buffer) -> None:
+        self.buffer = buffer
+        self.__array_interface__ = {
+            "shape": buffer.shape,
+            "typestr": buffer.dtype.str,
+            "data": (buffer.ptr, False),
+            "strides": None,
+            "version": 3,
+        }

@@ -43,6 +43,15 @@ def test_sizes_over_2mib_round_up(manager: mp.BufferManager) -> None:
     assert manager.stats()["bytes_allocated"] == 4 << 20
 
 
+def test_asarray_with_dtype_and_copy(manager: mp.BufferManager) -> None:
+    buf = manager.full((3,), 2, "int32", device="cpu")
+    as_float = np.asarray(buf, dtype=np.float64)
+    assert as_float.dtype == np.float64 and as_float.tolist() == [2.0, 2.0, 2.0]
+    copied = np.array(buf, copy=True)
+    copied[0] = 5
+    assert buf.numpy()[0] == 2
+
+
 def test_numpy_is_zero_copy_on_host(manager: mp.BufferManager) -> None:
     buf = manager.zeros((10,), "float32", device="cpu")
     view = buf.numpy()
@@ -98,7 +107,7 @@ def test_dlpack_and_array_interface_on_host(manager: mp.BufferManager, dtype: st
     out = np.from_dlpack(buf)
     np.testing.assert_array_equal(out, src)
     assert out.ctypes.data == buf.ptr
-    assert buf.__array_interface__["data"][0] == buf.ptr
+    assert np.asarray(buf).ctypes.data == buf.ptr
     with pytest.raises(AttributeError):
         _ = buf.__cuda_array_interface__
 
@@ -115,7 +124,7 @@ def test_released_buffer_refuses_every_touch(manager: mp.BufferManager) -> None:
         lambda: buf.copy_from([1, 2, 3, 4]),
         lambda: buf.fill(1),
         lambda: buf.view(),
-        lambda: buf.__array_interface__,
+        lambda: np.asarray(buf),
         lambda: buf.__dlpack__(),
         lambda: pickle.dumps(buf),
     ):
@@ -125,12 +134,17 @@ def test_released_buffer_refuses_every_touch(manager: mp.BufferManager) -> None:
     assert "released" in repr(buf)
 
 
-def test_host_array_outlives_release_safely(manager: mp.BufferManager) -> None:
+def test_host_array_keeps_its_memory_after_release(manager: mp.BufferManager) -> None:
     buf = manager.full((1000,), 3, "int64", device="cpu")
-    view = buf.numpy()
+    view = buf.numpy()[10:]
     buf.release()
-    manager.trim()  # the segment is unlinked, but this mapping stays valid while the array lives
-    assert int(view.sum()) == 3000
+    assert manager.stats()["pooled_buffers"] == 0  # the array still holds the memory
+    other = manager.full((1000,), 7, "int64", device="cpu")  # cannot be handed the same memory
+    assert other.ptr != view.ctypes.data - 80
+    assert int(view.sum()) == 3 * 990
+    del view
+    gc.collect()
+    assert manager.stats()["pooled_buffers"] == 1  # recycled once the array is gone
 
 
 def test_garbage_collection_recycles(manager: mp.BufferManager) -> None:
