@@ -22,6 +22,7 @@ test-gpu: $(STAMP)
 	$(PY) -m pytest tests -m gpu --require-gpu
 
 bench: $(STAMP)
+	$(PY) -m pip install -q 'matplotlib>=3.7' || echo "matplotlib not installed: the benchmark skips its plot"
 	$(PY) -m gpushare.bench
 
 info: $(STAMP)
