@@ -40,9 +40,13 @@ Consumer side (:class:`Link`, one per owner per process)
 
 Wire messages are pickled tuples on an authenticated connection:
 consumer -> owner ``("hello", pid)``, ``("claim", req, lease, alloc)``,
-``("lease", req, alloc, generation)``, ``("release", [lease, ...])``,
-``("unmapped", alloc, ok)``; owner -> consumer ``("ok", req, value)``,
-``("err", req, message)``, ``("unmap", alloc)``, ``("bye", reason)``.
+``("lease", req, alloc, generation)``, ``("fd", req, alloc)``,
+``("release", [lease, ...])``, ``("unmapped", alloc, ok)``; owner ->
+consumer ``("ok", req, value)``, ``("okfd", req, None)`` immediately
+followed on the socket by one file descriptor (SCM_RIGHTS: the fd-based
+backends' allocation or pool handle, sent only for an allocation the
+consumer holds a lease on), ``("err", req, message)``, ``("unmap", alloc)``,
+``("bye", reason)``.
 """
 
 from __future__ import annotations
@@ -61,7 +65,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from multiprocessing import AuthenticationError, connection, current_process
+from multiprocessing import AuthenticationError, connection, current_process, reduction
 from typing import Any
 
 import numpy as np
@@ -148,6 +152,7 @@ class _Peer:
     pid: int = 0
     leases: set[int] = field(default_factory=set)
     send_lock: threading.Lock = field(default_factory=threading.Lock)
+    sock: socket.socket | None = None  # the connection's socket, for SCM_RIGHTS
 
     def send(self, message: tuple[Any, ...]) -> bool:
         try:
@@ -156,6 +161,23 @@ class _Peer:
             return True
         except (OSError, ValueError):
             return False
+
+    def send_fd(self, req: int, fd: int) -> bool:
+        """Reply to request ``req`` with a file descriptor: a message, then the fd itself."""
+        try:
+            with self.send_lock:
+                if self.sock is None:
+                    self.sock = socket.socket(fileno=os.dup(self.conn.fileno()))
+                self.conn.send(("okfd", req, None))
+                reduction.sendfds(self.sock, [fd])
+            return True
+        except (OSError, ValueError):
+            return False
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+        self.conn.close()
 
 
 class _OwnerSource:
@@ -418,7 +440,7 @@ class Owner:
             log.exception("gpushare: internal error serving a consumer; dropping its connection")
         finally:
             self._drop_peer(peer)
-            conn.close()
+            peer.close()
 
     def _handle(self, peer: _Peer, message: tuple[Any, ...]) -> None:
         kind = message[0]
@@ -447,6 +469,20 @@ class Owner:
                 peer.send(("ok", req, self.take_lease(slot, generation)))
             except (DescriptorError, ManagerClosedError) as exc:
                 peer.send(("err", req, str(exc)))
+        elif kind == "fd":
+            _, req, alloc_id = message
+            with self._lock:
+                slot = self._slots.get(alloc_id)
+                held = slot is not None and any(self._leases[i].slot is slot for i in peer.leases)
+            if slot is None or not held:
+                peer.send(("err", req, f"allocation {alloc_id} is not leased to this process"))
+                return
+            try:
+                fd = slot.backend.export_fd(slot.allocation)
+            except Exception as exc:  # a driver error must reach the consumer, not kill this thread
+                peer.send(("err", req, f"the owner could not export allocation {alloc_id}: {exc}"))
+                return
+            peer.send_fd(req, fd)
         elif kind == "unmapped":
             _, alloc_id, ok = message
             with self._lock:
@@ -718,6 +754,7 @@ class Link:
                 f"cannot reach the owner of this buffer at {address} ({exc}): the process that made it "
                 "exited or shut its Manager down"
             ) from exc
+        self._sock = socket.socket(fileno=os.dup(self.conn.fileno()))
         self._send(("hello", os.getpid()))
         self._reader = threading.Thread(target=self._read_loop, name="gpushare-link-reader", daemon=True)
         self._writer = threading.Thread(target=self._write_loop, name="gpushare-link-writer", daemon=True)
@@ -757,12 +794,17 @@ class Link:
             while True:
                 message = self.conn.recv()
                 kind = message[0]
-                if kind in ("ok", "err"):
+                if kind in ("ok", "err", "okfd"):
+                    value = message[2]
+                    if kind == "okfd":  # the fd follows the message on the socket
+                        kind, value = "ok", reduction.recvfds(self._sock, 1)[0]
                     with self._wait_lock:
                         slot = self._waiting.get(message[1])
                     if slot is not None:
-                        slot[1], slot[2] = kind, message[2]
+                        slot[1], slot[2] = kind, value
                         slot[0].set()
+                    elif kind == "ok" and message[0] == "okfd":
+                        os.close(value)  # the requester gave up waiting
                 elif kind == "unmap":
                     ok = self._unmap(message[1])
                     try:
@@ -827,19 +869,32 @@ class Link:
     def attach(self, desc: Descriptor) -> Buffer:
         """Claim the descriptor's lease, map its memory (cached), return the Buffer."""
         self.request("claim", desc.lease_id, desc.alloc_id)
+        backend = _backends.get(desc.backend)
         try:
             with self._map_lock:
                 mapping = self._mappings.get(desc.alloc_id)
-                if mapping is None:
-                    backend = _backends.get(desc.backend)
-                    mapping = backend.open(desc.handle, desc.alloc_nbytes, desc.device_uuid)
-                    self._mappings[desc.alloc_id] = mapping
-                mapping.refs += 1
+                if mapping is not None:
+                    mapping.refs += 1
+            if mapping is None:
+                # Opened without the map lock: an fd-based open waits on the reader
+                # thread, which takes that lock to answer the owner's unmap requests.
+                opened = backend.open(
+                    desc.handle,
+                    desc.alloc_nbytes,
+                    desc.device_uuid,
+                    lambda: int(self.request("fd", desc.alloc_id)),
+                    desc.owner_token,
+                )
+                with self._map_lock:
+                    mapping = self._mappings.setdefault(desc.alloc_id, opened)
+                    mapping.refs += 1
+                if mapping is not opened:  # another thread mapped it first
+                    backend.close(opened)
         except BaseException:
             self._writes.put((desc.lease_id, -1))
             raise
         memory = Memory(
-            backend=_backends.get(desc.backend),
+            backend=backend,
             base=mapping.ptr,
             alloc_nbytes=desc.alloc_nbytes,
             device=mapping.device,
@@ -864,6 +919,7 @@ class Link:
         self._writer.join(timeout=5.0)
         try:
             self.conn.close()
+            self._sock.close()
         except OSError:
             pass
         self._mark_gone("this process closed its connection")

@@ -18,12 +18,13 @@ from ._base import Allocation, Backend, Mapping
 __all__ = ["BACKENDS", "Allocation", "Backend", "Mapping", "get", "parse_device", "resolve"]
 
 #: Every backend name, in the order ``python -m gpushare info`` lists them.
-BACKENDS = ("cuda_ipc", "host")
+BACKENDS = ("cuda_ipc", "cuda_vmm", "cuda_pool", "host")
 DEFAULT_CUDA_BACKEND = "cuda_ipc"
 
 _instances: dict[str, Backend] = {}
 _lock = threading.Lock()
 _warned_no_gpu = False
+_supported: set[tuple[str, int]] = set()  # (backend, device) pairs already checked
 
 
 def get(name: str) -> Backend:
@@ -42,6 +43,14 @@ def get(name: str) -> Backend:
                 from .cuda_ipc import CudaIpcBackend
 
                 backend = CudaIpcBackend()
+            elif name == "cuda_vmm":
+                from .cuda_vmm import CudaVmmBackend
+
+                backend = CudaVmmBackend()
+            elif name == "cuda_pool":
+                from .cuda_pool import CudaPoolBackend
+
+                backend = CudaPoolBackend()
             else:
                 raise BackendUnavailableError(f"unknown backend {name!r}; valid backends are {', '.join(BACKENDS)}")
             _instances[name] = backend
@@ -131,4 +140,7 @@ def resolve(device: object, backend: str | None = None) -> tuple[Backend, int | 
     chosen = get(backend or DEFAULT_CUDA_BACKEND)
     if not chosen.is_cuda:
         raise BackendUnavailableError(f"backend {chosen.name!r} cannot hold memory on CUDA device {parsed}")
+    if (chosen.name, parsed) not in _supported:
+        chosen.check_device(parsed)
+        _supported.add((chosen.name, parsed))
     return chosen, parsed

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import abc
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,15 +78,33 @@ class Backend(abc.ABC):
     def free(self, allocation: Allocation) -> None:
         """Give the memory back. Only called once no other process maps it."""
 
+    def export_fd(self, allocation: Allocation) -> int:
+        """A file descriptor a consumer needs too (sent by SCM_RIGHTS), for fd-based backends."""
+        raise NotImplementedError(f"backend {self.name!r} shares no file descriptors")
+
+    def check_device(self, device: int) -> None:
+        """Raise BackendUnavailableError when this backend cannot allocate on ``device``.
+
+        The default accepts every device the backend is asked for.
+        """
+        return None
+
     # -- consumer side ----------------------------------------------------
-    def open(self, handle: bytes, nbytes: int, device_uuid: bytes) -> Mapping:
-        mapping = self._map(handle, nbytes, device_uuid)
+    def open(
+        self, handle: bytes, nbytes: int, device_uuid: bytes, fetch_fd: Callable[[], int], scope: bytes
+    ) -> Mapping:
+        """Map an exported allocation. ``fetch_fd()`` asks the owner for the fd
+        (fd-based backends only; each call returns a new fd the callee closes);
+        ``scope`` names the owner, for caches that outlive one allocation."""
+        mapping = self._map(handle, nbytes, device_uuid, fetch_fd, scope)
         with self._lock:
             self.opens += 1
         return mapping
 
     @abc.abstractmethod
-    def _map(self, handle: bytes, nbytes: int, device_uuid: bytes) -> Mapping:
+    def _map(
+        self, handle: bytes, nbytes: int, device_uuid: bytes, fetch_fd: Callable[[], int], scope: bytes
+    ) -> Mapping:
         """Map the memory ``handle`` names into this process."""
 
     @abc.abstractmethod

@@ -19,20 +19,17 @@ lifetime service (``_lifetime``) enforces that order.
 
 from __future__ import annotations
 
-import ctypes
-import os
 from typing import Any
 
 from .. import _cuda
-from .._errors import NoDeviceError
 from . import _base
+from ._cudabase import CudaBackend, placement
 
 __all__ = ["CudaIpcBackend"]
 
 
-class CudaIpcBackend(_base.Backend):
+class CudaIpcBackend(CudaBackend):
     name = "cuda_ipc"
-    is_cuda = True
 
     def allocate(self, nbytes: int, device: int | None) -> _base.Allocation:
         assert device is not None
@@ -54,37 +51,16 @@ class CudaIpcBackend(_base.Backend):
         assert allocation.device is not None
         _cuda.mem_free(allocation.ptr, allocation.device)
 
-    def _map(self, handle: bytes, nbytes: int, device_uuid: bytes) -> _base.Mapping:
-        try:
-            device = _cuda.ordinal_from_uuid(device_uuid)
-        except NoDeviceError:
-            # The memory's GPU is hidden from this process: map it as a peer
-            # in this process's own device.
-            device = int(os.environ.get("GPUSHARE_DEVICE", "0") or 0)
-        ptr = _cuda.ipc_open(handle, device)
-        return _base.Mapping(self.name, ptr, nbytes, device, device_uuid)
+    def _map(self, handle: bytes, nbytes: int, device_uuid: bytes, fetch_fd: Any, scope: bytes) -> _base.Mapping:
+        _, ordinals = placement(device_uuid)
+        # Opened in the memory's own GPU when visible, else in the bound GPU as a peer
+        # (CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS does the enabling).
+        ptr = _cuda.ipc_open(handle, ordinals[0])
+        return _base.Mapping(self.name, ptr, nbytes, ordinals[0], device_uuid)
 
     def close(self, mapping: _base.Mapping) -> None:
         assert mapping.device is not None
         _cuda.ipc_close(mapping.ptr, mapping.device)
-
-    def fill(self, ptr: int, pattern: bytes, nbytes: int, device: int | None) -> None:
-        assert device is not None
-        if len(set(pattern)) <= 1:
-            _cuda.memset(ptr, pattern[0] if pattern else 0, nbytes, device)
-        elif len(pattern) == 4:
-            _cuda.memset32(ptr, int.from_bytes(pattern, "little"), nbytes // 4, device)
-        else:  # wider patterns (float64, complex): stage one copy on the host
-            staged = ctypes.create_string_buffer(pattern * (nbytes // len(pattern)), nbytes)
-            _cuda.memcpy_htod(ptr, ctypes.addressof(staged), nbytes, device)
-
-    def copy_in(self, ptr: int, host_ptr: int, nbytes: int, device: int | None) -> None:
-        assert device is not None
-        _cuda.memcpy_htod(ptr, host_ptr, nbytes, device)
-
-    def copy_out(self, host_ptr: int, ptr: int, nbytes: int, device: int | None) -> None:
-        assert device is not None
-        _cuda.memcpy_dtoh(host_ptr, ptr, nbytes, device)
 
     def capabilities(self) -> dict[str, Any]:
         caps = super().capabilities()

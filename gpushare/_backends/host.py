@@ -106,7 +106,7 @@ class HostBackend(_base.Backend):
             pass
         resource_tracker.unregister(name, "shared_memory")
 
-    def _map(self, handle: bytes, nbytes: int, device_uuid: bytes) -> _base.Mapping:
+    def _map(self, handle: bytes, nbytes: int, device_uuid: bytes, fetch_fd: Any, scope: bytes) -> _base.Mapping:
         name = handle.decode()
         fd = _posixshmem.shm_open(name, os.O_RDWR, mode=0o600)
         try:
