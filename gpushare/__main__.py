@@ -92,6 +92,15 @@ def _backend_info(gpus: int) -> dict[str, dict[str, Any]]:
     return result
 
 
+def _supports(name: str, ordinal: int) -> bool:
+    """Whether CUDA backend ``name`` can allocate on device ``ordinal`` (its own capability check)."""
+    try:
+        _backends.get(name).check_device(ordinal)
+    except GpushareError:
+        return False
+    return True
+
+
 def collect_info() -> dict[str, Any]:
     """Everything ``info`` prints, as plain JSON-ready values."""
     info: dict[str, Any] = {
@@ -130,7 +139,7 @@ def collect_info() -> dict[str, Any]:
             entry["uuid"] = _cuda.format_uuid(_cuda.device_uuid(ordinal))
             entry["name"] = _cuda.device_name(ordinal)
             entry["total_memory"] = _cuda.device_total_memory(ordinal)
-            entry["backends"] = list(cuda_backends)
+            entry["backends"] = [name for name in cuda_backends if _supports(name, ordinal)]
         except GpushareError as exc:
             entry["error"] = str(exc)
             entry["backends"] = []
