@@ -42,7 +42,7 @@ def consume(rank: int, workers: int, on_gpu: bool, jobs: mp.Queue, results: mp.Q
         values = batch.numpy()[lo:hi]  # a zero-copy NumPy view of the shared segment
         total, how = float(values.astype(np.float64).sum()), "numpy view of shared memory"
     elif torch is not None:
-        tensor = torch.as_tensor(batch, device="cuda")  # a view of the producer's GPU memory
+        tensor = torch.from_dlpack(batch)  # a view of the producer's GPU memory
         total, how = float(tensor[lo:hi].double().sum()), "torch view of the producer's GPU memory"
     else:
         total, how = float(batch.numpy()[lo:hi].astype(np.float64).sum()), "host copy (torch not installed)"

@@ -351,7 +351,7 @@ class Buffer:
         if self._memory.device is not None:
             raise TypeError(
                 "a CUDA buffer cannot become a NumPy array implicitly; use buf.numpy() for a host copy, "
-                "or a GPU library (torch.as_tensor(buf, device='cuda'), cupy.asarray(buf))"
+                "or a GPU library (torch.from_dlpack(buf), cupy.asarray(buf))"
             )
         array = self.numpy()
         if dtype is not None and np.dtype(dtype) != array.dtype:  # type: ignore[call-overload]

@@ -9,6 +9,13 @@ reasons and errors) and ``benchmarks.png`` (latency against the number of
 consumers, one line per system; skipped with a note when matplotlib does
 not import).
 
+gpushare is measured once per CUDA backend (``--backends``, default every
+CUDA backend: ``cuda_ipc``, ``cuda_vmm``, ``cuda_pool``), each its own
+column ("gpushare cuda_vmm") with its own ratio to the floor, in the same
+run as the peers. The backend is chosen per allocation
+(``Manager.empty(..., backend=name)``); a backend this machine cannot run
+(``BackendUnavailableError``) is a skipped column with the reason.
+
 What one iteration is, per scenario (one producer, N consumer processes):
 
 ``floors``
@@ -20,20 +27,37 @@ What one iteration is, per scenario (one producer, N consumer processes):
 ``handoff_recycled`` / ``handoff_fresh``
     The Queue-floor pattern carrying a 1 MiB buffer instead of the tuple:
     the producer puts the buffer once per consumer; a consumer gets it,
-    touches its device pointer, lets it go and acks. Systems: gpushare
-    (``Manager.empty`` on the chosen backend; consumers ``buf.ptr`` then
-    ``buf.release()``), ``torch.multiprocessing`` (a CUDA tensor;
-    ``t.data_ptr()`` then ``del t``) and cuda.core (a buffer of an
-    IPC-enabled ``DeviceMemoryResource``, which cuda.core pickles itself;
-    the memory resource is handed to each consumer at spawn). *recycled*
-    puts the same buffer every iteration; *fresh* allocates one per
-    iteration and drops it after the acks (each library's pool or caching
-    allocator recycles the memory, as it would in a pipeline).
+    touches its device pointer, lets it go and acks. Systems: gpushare,
+    one column per backend (``Manager.empty(..., backend=name)``;
+    consumers ``buf.ptr`` then ``buf.release()``), ``torch.multiprocessing``
+    (a CUDA tensor; ``t.data_ptr()`` then ``del t``) and cuda.core (a
+    buffer of an IPC-enabled ``DeviceMemoryResource``, which cuda.core
+    pickles itself; the memory resource is handed to each consumer at
+    spawn). *recycled* puts the same buffer every iteration; *fresh*
+    allocates one per iteration and drops it after the acks (each
+    library's pool or caching allocator recycles the memory, as it would
+    in a pipeline).
 ``first_share``
     Time from ``m.empty()`` of a fresh allocation through one consumer
-    mapping it and acking. Between iterations (not timed) the producer
-    waits for the consumer's lease to come back and calls ``m.trim()``,
-    so every iteration allocates, exports and maps new memory.
+    mapping it and acking, one column per backend. Between iterations (not
+    timed) the producer waits for the consumer's lease to come back and
+    calls ``m.trim()``, so every iteration allocates, exports and maps new
+    memory.
+``peer_read``
+    Only with two or more GPUs and torch. Per backend, the producer fills a
+    1 GiB float32 buffer on cuda:0 and sends it to one consumer started
+    with ``Process(device=1)``. The consumer views it with
+    ``torch.as_tensor(buf, device="cuda:0")`` (the memory's own GPU; the
+    view must alias the mapping, else the cell fails) and times
+    ``dst.copy_(src)`` into a cuda:1 tensor with CUDA events on the
+    destination's stream, median of 20 copies (5 with ``--quick``), as GB/s
+    of bytes copied once. The reference, in the same consumer and
+    interleaved copy by copy: the same copy from a plain torch tensor the
+    consumer allocated on cuda:0 (the NVLink rate). Also a local copy
+    (cuda:0 -> cuda:0) of both. The mapped buffer should read at >= 0.90 of
+    the plain tensor's rate. The consumer checks the copies hold the
+    producer's fill, releases the buffer and drops its tensors before it
+    answers.
 ``host``
     A 64 MiB float32 array on the host backend (always runs, GPU or not):
     a gpushare host buffer written in place, the same buffer refilled with
@@ -48,8 +72,9 @@ iterations, told to stop with a sentinel and always joined with a timeout
 with ``time.perf_counter_ns`` around "produce, put N times, collect N
 acks", with the garbage collector off in the producer while timing.
 Large transfers (64 MiB and up) run fewer iterations. A peer that cannot
-run here (not importable, no GPU) is recorded as skipped with the reason;
-an error in one cell is recorded as that cell's error and the run goes on.
+run here (not importable, no GPU, one GPU for ``peer_read``) is recorded
+as skipped with the reason; an error in one cell is recorded as that
+cell's error and the run goes on.
 """
 
 from __future__ import annotations
@@ -90,6 +115,26 @@ READY_TIMEOUT = 180.0  # seconds for N spawned consumers to import and set up (t
 ACK_TIMEOUT = 60.0  # seconds for one ack; only a stuck or dead consumer takes this long
 JOIN_TIMEOUT = 10.0
 SETTLE_TIMEOUT = 10.0
+
+#: The CUDA backends measured by default, in column order; any other CUDA backend the
+#: library lists in ``gpushare._backends.BACKENDS`` is added after them.
+CUDA_BACKENDS = ("cuda_ipc", "cuda_vmm", "cuda_pool")
+HOST_BACKEND = "host"
+
+PEER_SHAPE = (256 << 20,)  # float32: 1 GiB
+PEER_HOME = 0  # the GPU the producer allocates on
+PEER_DEVICE = 1  # the consumer's GPU, which reads the memory over the peer link
+PEER_ITERS = 20
+PEER_ITERS_QUICK = 5
+PEER_WARMUP = 3
+PEER_WARMUP_QUICK = 2
+PEER_TARGET = 0.90  # the mapped buffer's peer-read rate, as a fraction of a plain tensor's
+PEER_TIMEOUT = 300.0  # seconds for the consumer's whole measurement (maps 1 GiB, allocates 3 GiB, copies)
+PEER_PEER_MAPPED = "peer read, mapped buffer"
+PEER_PEER_PLAIN = "peer read, plain tensor"
+PEER_LOCAL_MAPPED = "local copy, mapped buffer"
+PEER_LOCAL_PLAIN = "local copy, plain tensor"
+PEER_SYSTEMS = (PEER_PEER_MAPPED, PEER_PEER_PLAIN, PEER_LOCAL_MAPPED, PEER_LOCAL_PLAIN)
 
 FLOOR_SCENARIO = "floors"
 FLOOR_SYSTEM = "mp.Queue"
@@ -168,7 +213,11 @@ def _queue_consumer(kind: str, work: Any, acks: Any, device: int | None, extra: 
         return
     acks.put(("ready", os.getpid()))
     while True:
-        item = work.get()
+        try:
+            item = work.get()  # unpickling maps the memory: a backend that cannot open it fails here
+        except BaseException as exc:
+            acks.put(("error", f"consumer could not receive the item: {type(exc).__name__}: {exc}"))
+            return
         if item is None:
             return
         try:
@@ -178,6 +227,121 @@ def _queue_consumer(kind: str, work: Any, acks: Any, device: int | None, extra: 
             return
         del item
         acks.put(1)
+
+
+def _peer_read_consumer(work: Any, results: Any, peer: int, warmup: int, iters: int) -> None:
+    """Get one buffer at a time (until None), time copies out of it, answer ("result", dict).
+
+    Every answer comes after the buffer is released and the tensors are dropped, so
+    the producer's lease is back (or on its way) when it reads the answer.
+    """
+    try:
+        import torch
+
+        if torch.cuda.device_count() <= peer:
+            raise BenchError(f"torch sees {torch.cuda.device_count()} CUDA device(s); this consumer needs cuda:{peer}")
+        torch.cuda.set_device(peer)
+        torch.cuda.init()
+    except BaseException as exc:
+        results.put(("error", f"consumer setup failed: {type(exc).__name__}: {exc}"))
+        return
+    results.put(("ready", os.getpid()))
+    while True:
+        try:
+            buf = work.get()  # unpickling maps the memory
+        except BaseException as exc:
+            results.put(("error", f"consumer could not receive the buffer: {type(exc).__name__}: {exc}"))
+            return
+        if buf is None:
+            return
+        reply: Any
+        try:
+            reply = ("result", _peer_read_measure(torch, buf, peer, warmup, iters))
+        except BaseException as exc:
+            reply = ("error", f"consumer failed: {type(exc).__name__}: {exc}")
+        finally:
+            with contextlib.suppress(Exception):
+                buf.release()
+        del buf
+        gc.collect()
+        with contextlib.suppress(Exception):
+            torch.cuda.empty_cache()
+        results.put(reply)
+
+
+def _peer_read_measure(torch: Any, buf: Any, peer: int, warmup: int, iters: int) -> dict[str, Any]:
+    """Copy times (ns) for the four copies of ``peer_read``, interleaved copy by copy."""
+    home = buf.device
+    if not isinstance(home, int):
+        raise BenchError(f"the buffer arrived as {home!r}, not as memory of a CUDA device")
+    if home == peer:
+        raise BenchError(f"the buffer is mapped on cuda:{home}, the consumer's own GPU: no peer read to measure")
+    home_dev = torch.device("cuda", home)
+    peer_dev = torch.device("cuda", peer)
+    # An explicit index: a bare "cuda" means torch's *current* device (cuda:peer in this
+    # process), and as_tensor would then copy the buffer there instead of viewing it.
+    src = torch.as_tensor(buf, device=home_dev)
+    if src.device != home_dev or src.data_ptr() != buf.ptr:
+        raise BenchError(
+            f"torch.as_tensor did not view the mapped buffer (tensor on {src.device} at {src.data_ptr():#x}, "
+            f"buffer on cuda:{home} at {buf.ptr:#x})"
+        )
+    plain = torch.full_like(src, 2.0)  # on cuda:home, allocated by this process
+    dst_peer = torch.empty_like(src, device=peer_dev)
+    dst_local = torch.empty_like(src, device=home_dev)
+    copies = {
+        PEER_PEER_MAPPED: (dst_peer, src),
+        PEER_PEER_PLAIN: (dst_peer, plain),
+        PEER_LOCAL_MAPPED: (dst_local, src),
+        PEER_LOCAL_PLAIN: (dst_local, plain),
+    }
+
+    def sync() -> None:
+        torch.cuda.synchronize(home_dev)
+        torch.cuda.synchronize(peer_dev)
+
+    def timed(dst: Any, source: Any) -> tuple[int, int]:
+        # Events on the destination's stream: for a cross-device copy torch orders that
+        # stream after the copy (whichever device's stream runs it), so they bracket it.
+        stream = torch.cuda.current_stream(dst.device)
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        sync()
+        t0 = time.perf_counter_ns()
+        start.record(stream)
+        dst.copy_(source)
+        end.record(stream)
+        sync()
+        wall = time.perf_counter_ns() - t0
+        return round(start.elapsed_time(end) * 1e6), wall
+
+    events: dict[str, list[int]] = {name: [] for name in copies}
+    walls: dict[str, list[int]] = {name: [] for name in copies}
+    for _ in range(warmup):
+        for dst, source in copies.values():
+            timed(dst, source)
+    for _ in range(iters):
+        for name, (dst, source) in copies.items():
+            event_ns, wall_ns = timed(dst, source)
+            events[name].append(event_ns)
+            walls[name].append(wall_ns)
+    # The copies really read the producer's memory: its fill (1.0), not the plain tensor's (2.0).
+    dst_peer.copy_(src)
+    dst_local.copy_(src)
+    sync()
+    if not (bool((dst_peer == 1.0).all().item()) and bool((dst_local == 1.0).all().item())):
+        raise BenchError("a copy of the mapped buffer does not hold the producer's fill (1.0)")
+    info: dict[str, Any] = {
+        "backend": str(getattr(buf, "backend", "?")),
+        "nbytes": int(buf.nbytes),
+        "source": f"cuda:{home}",
+        "destination": f"cuda:{peer}",
+        "torch_peer_access": None,
+    }
+    with contextlib.suppress(Exception):
+        info["torch_peer_access"] = bool(torch.cuda.can_device_access_peer(peer_dev, home_dev))
+    del copies, src, plain, dst_peer, dst_local
+    return {"events_ns": events, "wall_ns": walls, "info": info}
 
 
 def _pipe_consumer(conn: Any) -> None:
@@ -267,14 +431,24 @@ class Scenario:
     extra_ratios: list[tuple[str, str]] = field(default_factory=list)  # (numerator, denominator) systems
     notes: list[str] = field(default_factory=list)
     plot: bool = True
+    kind: str = "latency"  # "latency" (us per iteration) or "throughput" (peer_read: GB/s per copy)
+    throughput_bytes: int = 0  # bytes one copy moves, for "throughput"
+    skipped: str | None = None  # the whole scenario cannot run here
+    row_skips: dict[str, str] = field(default_factory=dict)  # rows that fill several systems at once
+    row_errors: dict[str, str] = field(default_factory=dict)
+    details: dict[str, Any] = field(default_factory=dict)  # extra facts per row, for the JSON
+
+
+#: What a cell's run returns: samples in ns for its system, or samples per system of its row.
+Samples = list[int] | dict[str, list[int]]
 
 
 @dataclass
 class Task:
     scenario: str
-    system: str
+    system: str | None  # None: the run fills several systems of its row (returns a dict)
     row: str
-    run: Callable[[], list[int]] | None
+    run: Callable[[], Samples] | None
     skip: str | None = None
 
 
@@ -319,16 +493,16 @@ def _check_alive(procs: list[Any]) -> None:
         raise BenchError(f"a consumer (pid {dead[0].pid}) exited with code {dead[0].exitcode}")
 
 
-def _get_ack(acks: Any, procs: list[Any]) -> Any:
+def _get_ack(acks: Any, procs: list[Any], timeout: float = ACK_TIMEOUT) -> Any:
     """The next ack; a consumer that died or hangs fails the cell instead of the run."""
-    deadline = time.monotonic() + ACK_TIMEOUT
+    deadline = time.monotonic() + timeout
     while True:
         try:
             return acks.get(timeout=1.0)  # the fast path pays no more for a timeout than without one
         except queue.Empty:
             _check_alive(procs)
             if time.monotonic() > deadline:
-                raise BenchError(f"no ack from a consumer within {ACK_TIMEOUT:g} s") from None
+                raise BenchError(f"no answer from a consumer within {timeout:g} s") from None
 
 
 def _wait_pipe(conn: Any, procs: list[Any]) -> None:
@@ -413,6 +587,9 @@ class Config:
     consumers: tuple[int, ...]
     host_consumers: tuple[int, ...]
     only: frozenset[str] | None
+    backends: tuple[str, ...] = CUDA_BACKENDS  # gpushare CUDA backends, one column each
+    peer_iters: int = PEER_ITERS
+    peer_warmup: int = PEER_WARMUP
 
 
 class Bench:
@@ -425,6 +602,7 @@ class Bench:
         self.meta: dict[str, Any] = {}
         self.gpu_reason: str | None = None  # why CUDA scenarios cannot run; None when they can
         self.device: int | None = None
+        self.gpu_count = 0
 
     # -- environment -----------------------------------------------------------------
     def probe(self) -> None:
@@ -436,8 +614,13 @@ class Bench:
             gpu_ok = _cuda.available()
         except Exception:
             gpu_ok = False
+        if gpu_ok:
+            with contextlib.suppress(Exception):
+                self.gpu_count = int(_cuda.device_count())
         if cfg.backend == "host":
-            self.gpu_reason = "run with the host backend (--backend host)"
+            self.gpu_reason = "run with the host backend (--backend host)" + (
+                "" if gpu_ok else "; no usable GPU or CUDA driver on this machine"
+            )
         elif not gpu_ok:
             self.gpu_reason = "no usable GPU or CUDA driver on this machine"
         else:
@@ -445,6 +628,8 @@ class Bench:
         meta: dict[str, Any] = {
             "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "backend": cfg.backend,
+            "backends": ", ".join(cfg.backends) + (" (not run: host backend)" if cfg.backend == "host" else ""),
+            "gpus": self.gpu_count,
             "device": "none (host backend)" if cfg.backend == "host" else "none usable",
             "driver": "none",
             "cuda_driver_api": "none",
@@ -479,15 +664,27 @@ class Bench:
             self._manager = self.stack.enter_context(gpushare.Manager())
         return self._manager
 
-    @property
-    def gs_device(self) -> int | str:
-        return "cpu" if self.cfg.backend == "host" else (self.device or 0)
+    def gs_columns(self) -> list[tuple[str, str, int | str, str | None]]:
+        """gpushare's columns: (label, backend, device, skip reason), one per backend.
+
+        With the host backend, the host column runs and the CUDA columns are listed as skipped.
+        """
+        columns: list[tuple[str, str, int | str, str | None]] = []
+        if self.cfg.backend == "host":
+            columns.append((_gs_label(HOST_BACKEND), HOST_BACKEND, "cpu", None))
+        for name in self.cfg.backends:
+            columns.append((_gs_label(name), name, self.device or 0, self.gpu_reason))
+        return columns
 
     # -- plan ----------------------------------------------------------------------
     def plan(self) -> None:
         cfg = self.cfg
         rows = [str(n) for n in cfg.consumers]
-        gs_label = f"gpushare ({'host' if cfg.backend == 'host' else 'cuda_ipc'} backend)"
+        gs_columns = self.gs_columns()
+        gs_note = (
+            "gpushare columns: one per backend, chosen per allocation (`Manager.empty(..., backend=name)`); "
+            "each is measured in this run, next to the peers."
+        )
 
         def add(scenario: Scenario) -> bool:
             if cfg.only is not None and scenario.key not in cfg.only:
@@ -495,8 +692,11 @@ class Bench:
             self.scenarios[scenario.key] = scenario
             return True
 
-        def task(scenario: str, system: str, row: str, run: Callable[[], list[int]] | None, skip: str | None) -> None:
-            self.scenarios[scenario].systems.setdefault(system, Series())
+        def task(
+            scenario: str, system: str | None, row: str, run: Callable[[], Samples] | None, skip: str | None
+        ) -> None:
+            if system is not None:
+                self.scenarios[scenario].systems.setdefault(system, Series())
             self.tasks.append(Task(scenario, system, row, run, skip))
 
         if add(
@@ -515,15 +715,15 @@ class Bench:
 
         torch_skip = self.torch_skip()
         core_skip = self.cuda_core_skip()
-        gs_skip = self.gpu_reason if cfg.backend == "cuda" else None
         for fresh in (False, True):
             key = "handoff_fresh" if fresh else "handoff_recycled"
             how = "a new buffer every iteration" if fresh else "the same buffer every iteration"
             if not add(Scenario(key, f"1 MiB buffer to N consumers through a Queue, {how}", "consumers", rows)):
                 continue
-            self.scenarios[key].notes.append(f"gpushare column: {gs_label}.")
+            self.scenarios[key].notes.append(gs_note)
             for n in cfg.consumers:
-                task(key, GPUSHARE, str(n), _bind(self.gpushare_handoff, n, fresh), gs_skip)
+                for label, backend, device, skip in gs_columns:
+                    task(key, label, str(n), _bind(self.gpushare_handoff, n, fresh, backend, device), skip)
                 task(key, TORCH, str(n), _bind(self.torch_handoff, n, fresh), torch_skip)
                 task(key, CUDA_CORE, str(n), _bind(self.cuda_core_handoff, n, fresh), core_skip)
 
@@ -538,10 +738,31 @@ class Bench:
             )
         ):
             self.scenarios["first_share"].notes.append(
-                f"gpushare column: {gs_label}. The Manager's pool is trimmed between iterations (untimed)."
+                f"{gs_note} The Manager's pool is trimmed between iterations (untimed)."
             )
             for size in sizes:
-                task("first_share", GPUSHARE, _size_label(size), _bind(self.first_share, size), gs_skip)
+                for label, backend, device, skip in gs_columns:
+                    task("first_share", label, _size_label(size), _bind(self.first_share, size, backend, device), skip)
+
+        if add(
+            Scenario(
+                "peer_read",
+                f"Peer read: a 1 GiB buffer on cuda:{PEER_HOME}, copied by a consumer on cuda:{PEER_DEVICE}",
+                "backend",
+                list(cfg.backends),
+                floor=None,
+                plot=False,
+                kind="throughput",
+                throughput_bytes=math.prod(PEER_SHAPE) * 4,
+            )
+        ):
+            scenario = self.scenarios["peer_read"]
+            scenario.skipped = self.peer_read_skip()
+            if scenario.skipped is None:
+                for system in PEER_SYSTEMS:
+                    scenario.systems[system] = Series()
+                for backend in cfg.backends:
+                    task("peer_read", None, backend, _bind(self.peer_read, backend), None)
 
         host_rows = [str(n) for n in cfg.host_consumers]
         if add(
@@ -573,6 +794,27 @@ class Bench:
             return f"torch.cuda failed: {type(exc).__name__}: {exc}"
         return None
 
+    def peer_read_skip(self) -> str | None:
+        if self.gpu_reason is not None:
+            return self.gpu_reason
+        if self.gpu_count <= PEER_DEVICE:
+            return (
+                f"needs {PEER_DEVICE + 1} GPUs (a producer on cuda:{PEER_HOME}, a consumer on "
+                f"cuda:{PEER_DEVICE}); this machine has {self.gpu_count}"
+            )
+        reason = self.torch_skip()
+        if reason is not None:
+            return reason
+        try:
+            import torch
+
+            count = torch.cuda.device_count()
+        except Exception as exc:
+            return f"torch.cuda failed: {type(exc).__name__}: {exc}"
+        if count <= PEER_DEVICE:
+            return f"torch sees {count} CUDA device(s); the consumer needs cuda:{PEER_DEVICE}"
+        return None
+
     def cuda_core_skip(self) -> str | None:
         if self.gpu_reason is not None:
             return self.gpu_reason
@@ -588,25 +830,43 @@ class Bench:
         width = len(str(total))
         with self.stack:
             for index, t in enumerate(self.tasks, 1):
-                series = self.scenarios[t.scenario].systems[t.system]
-                head = f"[{index:>{width}}/{total}] {t.scenario} | {t.system} | {t.row}"
+                scenario = self.scenarios[t.scenario]
+                series = None if t.system is None else scenario.systems[t.system]
+                head = f"[{index:>{width}}/{total}] {t.scenario} | {t.system or 'all'} | {t.row}"
                 if t.skip is not None or t.run is None:
-                    series.skipped = t.skip or "not run"
+                    reason = t.skip or "not run"
+                    if series is not None:
+                        series.skipped = reason
+                    else:
+                        scenario.row_skips[t.row] = reason
+                    _progress(f"{head}: skipped ({reason})")
+                    continue
+                if series is not None and series.skipped is not None:
+                    # An earlier row found this column's backend unavailable.
                     _progress(f"{head}: skipped ({series.skipped})")
                     continue
                 started = time.monotonic()
                 try:
                     samples = t.run()
                 except Exception as exc:
-                    series.errors[t.row] = f"{type(exc).__name__}: {exc}"
-                    _progress(f"{head}: ERROR {series.errors[t.row]}")
+                    message = f"{type(exc).__name__}: {exc}"
+                    unavailable = _unavailable(exc)
+                    if series is None:
+                        (scenario.row_skips if unavailable else scenario.row_errors)[t.row] = message
+                    elif unavailable and not series.cells and not series.errors:
+                        series.skipped = message  # the whole column: its backend cannot run here
+                    else:
+                        series.errors[t.row] = message
+                    _progress(f"{head}: skipped ({message})" if unavailable else f"{head}: ERROR {message}")
                     continue
-                cell = Cell.of(samples)
-                series.cells[t.row] = cell
-                _progress(
-                    f"{head}: median {cell.median_us:.1f} us, p90 {cell.p90_us:.1f} us "
-                    f"({cell.n} iters, {time.monotonic() - started:.1f} s)"
-                )
+                try:
+                    summary = _record(scenario, series, t.row, samples, time.monotonic() - started)
+                except Exception as exc:  # malformed samples: that cell's error, not the run's
+                    message = f"could not record the samples: {type(exc).__name__}: {exc}"
+                    (scenario.row_errors if series is None else series.errors)[t.row] = message
+                    _progress(f"{head}: ERROR {message}")
+                    continue
+                _progress(f"{head}: {summary}")
 
     # -- floors ---------------------------------------------------------------------
     def pipe_floor(self, n: int) -> list[int]:
@@ -711,17 +971,18 @@ class Bench:
             _stop(procs, send_stop, [work, acks])
 
     # -- gpushare ----------------------------------------------------------------------
-    def gpushare_handoff(self, n: int, fresh: bool) -> list[int]:
+    def gpushare_handoff(self, n: int, fresh: bool, backend: str, device: int | str) -> list[int]:
         gpushare = _gpushare()
 
         m = self.manager()
-        device = self.gs_device
         kind = "gpushare_host" if device == "cpu" else "gpushare"
+        # A backend this machine cannot run raises BackendUnavailableError here, before any consumer starts.
+        m.empty(HANDOFF_SHAPE, "float32", device=device, backend=backend).release()
         before = m.stats()["reused"]
         if fresh:
 
             def produce(i: int) -> Any:
-                return m.empty(HANDOFF_SHAPE, "float32", device=device)
+                return m.empty(HANDOFF_SHAPE, "float32", device=device, backend=backend)
 
             samples = self.queue_fanout(
                 gpushare.get_context("spawn"),
@@ -734,10 +995,10 @@ class Bench:
             reused = m.stats()["reused"] - before
             total = self.cfg.warmup + self.cfg.iters
             self.scenarios["handoff_fresh"].notes.append(
-                f"gpushare, {n} consumer(s): {reused} of {total} allocations came from the pool."
+                f"{_gs_label(backend)}, {n} consumer(s): {reused} of {total} allocations came from the pool."
             )
             return samples
-        buf = m.zeros(HANDOFF_SHAPE, "float32", device=device)
+        buf = m.zeros(HANDOFF_SHAPE, "float32", device=device, backend=backend)
         try:
             return self.queue_fanout(
                 gpushare.get_context("spawn"), n, kind, lambda i: buf, process_kwargs={"device": device}
@@ -745,12 +1006,13 @@ class Bench:
         finally:
             buf.release()
 
-    def first_share(self, nbytes: int) -> list[int]:
+    def first_share(self, nbytes: int, backend: str, device: int | str) -> list[int]:
         gpushare = _gpushare()
 
         m = self.manager()
-        device = self.gs_device
         kind = "gpushare_host" if device == "cpu" else "gpushare"
+        # BackendUnavailableError here, before the consumer starts (the pool is trimmed before timing).
+        m.empty((nbytes // 4,), "float32", device=device, backend=backend).release()
         ctx = gpushare.get_context("spawn")
         work = ctx.Queue()
         acks = ctx.Queue()
@@ -772,7 +1034,7 @@ class Bench:
                 reused.append(stats["bytes_pooled"])
 
         def step(i: int) -> None:
-            buf = m.empty((nbytes // 4,), "float32", device=device)
+            buf = m.empty((nbytes // 4,), "float32", device=device, backend=backend)
             work.put(buf)
             _check_ack(_get_ack(acks, [proc]))
             buf.release()
@@ -788,9 +1050,85 @@ class Bench:
             _stop([proc], lambda: work.put(None), [work, acks])
         if reused:
             self.scenarios["first_share"].notes.append(
-                f"{_size_label(nbytes)}: the pool still held memory after trim() in {len(reused)} iteration(s)."
+                f"{_gs_label(backend)}, {_size_label(nbytes)}: the pool still held memory after trim() "
+                f"in {len(reused)} iteration(s)."
             )
         return samples
+
+    def peer_read(self, backend: str) -> dict[str, list[int]]:
+        """Copy times (ns) per system of ``peer_read`` for one backend, from one consumer on cuda:1."""
+        from . import _cuda
+
+        gpushare = _gpushare()
+        m = self.manager()
+        cfg = self.cfg
+        scenario = self.scenarios["peer_read"]
+        # BackendUnavailableError here, before the consumer starts.
+        buf = m.empty(PEER_SHAPE, "float32", device=PEER_HOME, backend=backend)
+        reply: Any = None
+        try:
+            buf.fill(1.0)
+            _cuda.synchronize(PEER_HOME)  # the fill is on the device before another process reads it
+            ctx = gpushare.get_context("spawn")
+            work = ctx.Queue()
+            results = ctx.Queue()
+            proc = ctx.Process(
+                target=_peer_read_consumer,
+                args=(work, results, PEER_DEVICE, cfg.peer_warmup, cfg.peer_iters),
+                daemon=True,
+                device=PEER_DEVICE,
+            )
+            try:
+                proc.start()
+                _await_ready(_queue_poll(results), [proc], 1)
+                work.put(buf)
+                reply = _get_ack(results, [proc], timeout=PEER_TIMEOUT)
+            finally:
+                _stop([proc], lambda: work.put(None), [work, results])  # joins with a timeout
+        finally:
+            buf.release()
+            self._settle_and_trim(scenario, backend)
+        if not (isinstance(reply, tuple) and len(reply) == 2 and reply[0] == "result"):
+            detail = reply[1] if isinstance(reply, tuple) and len(reply) == 2 else repr(reply)
+            raise BenchError(f"the consumer did not measure: {detail}")
+        data = reply[1]
+        events: dict[str, list[int]] = data["events_ns"]
+        walls: dict[str, list[int]] = data["wall_ns"]
+        info: dict[str, Any] = dict(data.get("info") or {})
+        # Events bracket the copy on the destination's stream. If they ever read far below the
+        # wall clock around synchronize (a torch that orders streams differently), trust the clock.
+        chosen: dict[str, list[int]] = {}
+        clocks: dict[str, str] = {}
+        for system in PEER_SYSTEMS:
+            event_median = float(np.median(events[system]))
+            wall_median = float(np.median(walls[system]))
+            info.setdefault("wall_median_us", {})[system] = round(wall_median / 1000.0, 2)
+            info.setdefault("event_median_us", {})[system] = round(event_median / 1000.0, 2)
+            if event_median > 0 and event_median >= 0.5 * wall_median:
+                chosen[system], clocks[system] = events[system], "cuda events"
+            else:
+                chosen[system], clocks[system] = walls[system], "perf_counter around synchronize"
+                scenario.notes.append(
+                    f"{backend}, {system}: CUDA events ({event_median / 1000:.0f} us) disagreed with the wall "
+                    f"clock ({wall_median / 1000:.0f} us); the wall clock is reported."
+                )
+        info["clock"] = clocks
+        scenario.details[backend] = info
+        return chosen
+
+    def _settle_and_trim(self, scenario: Scenario, backend: str) -> None:
+        """Wait (bounded) for outstanding leases, then free the pool: 1 GiB per backend adds up."""
+        try:
+            m = self.manager()
+            deadline = time.monotonic() + SETTLE_TIMEOUT
+            while m.stats()["leases"]:
+                if time.monotonic() > deadline:
+                    scenario.notes.append(f"{backend}: a lease was still out {SETTLE_TIMEOUT:g} s after the run.")
+                    break
+                time.sleep(0.01)
+            m.trim()
+        except Exception as exc:
+            scenario.notes.append(f"{backend}: cleanup after the run failed: {type(exc).__name__}: {exc}")
 
     def host_gpushare(self, n: int, copy: bool) -> list[int]:
         gpushare = _gpushare()
@@ -897,8 +1235,37 @@ class Bench:
                 mr.close()
 
 
-def _bind(fn: Callable[..., list[int]], *args: Any) -> Callable[[], list[int]]:
+def _bind(fn: Callable[..., Samples], *args: Any) -> Callable[[], Samples]:
     return lambda: fn(*args)
+
+
+def _record(scenario: Scenario, series: Series | None, row: str, samples: Samples, took: float) -> str:
+    """Store one cell's samples (or one row's, per system); return the progress line."""
+    if isinstance(samples, dict):
+        parts = []
+        for system, values in samples.items():
+            cell = Cell.of(values)
+            scenario.systems.setdefault(system, Series()).cells[row] = cell
+            parts.append(f"{system} {_fmt_gbps(_gbps(scenario, cell))} GB/s")
+        return f"{'; '.join(parts)} ({took:.1f} s)"
+    if series is None:
+        raise BenchError("a task that fills several systems must return samples per system")
+    cell = Cell.of(samples)
+    series.cells[row] = cell
+    return f"median {cell.median_us:.1f} us, p90 {cell.p90_us:.1f} us ({cell.n} iters, {took:.1f} s)"
+
+
+def _gs_label(backend: str) -> str:
+    return f"{GPUSHARE} {backend}"
+
+
+def _unavailable(exc: BaseException) -> bool:
+    """True for gpushare's BackendUnavailableError: the backend cannot run on this machine."""
+    try:
+        cls = getattr(_gpushare(), "BackendUnavailableError", None)
+    except Exception:
+        return False
+    return isinstance(cls, type) and isinstance(exc, cls)
 
 
 def _size_label(nbytes: int) -> str:
@@ -947,6 +1314,97 @@ def _ratio(num: Cell | None, den: Cell | None) -> str:
     return f"{ratio:.0f}" if ratio >= 100 else f"{ratio:.1f}" if ratio >= 10 else f"{ratio:.2f}"
 
 
+def _gbps(scenario: Scenario, cell: Cell | None) -> float | None:
+    """Bytes copied once per second, in GB/s (10^9), from a cell of copy times."""
+    if cell is None or cell.median_us <= 0 or scenario.throughput_bytes <= 0:
+        return None
+    return scenario.throughput_bytes / cell.median_us / 1e3
+
+
+def _fmt_gbps(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}" if value >= 100 else f"{value:.1f}"
+
+
+def _peer_row(scenario: Scenario, row: str) -> dict[str, Any]:
+    """One backend's peer_read numbers (GB/s), the mapped/plain ratio and whether it meets the target."""
+
+    def rate(system: str) -> float | None:
+        series = scenario.systems.get(system)
+        return _gbps(scenario, series.cells.get(row) if series else None)
+
+    mapped, plain = rate(PEER_PEER_MAPPED), rate(PEER_PEER_PLAIN)
+    ratio = None if mapped is None or not plain else mapped / plain
+    return {
+        "peer_read_mapped_gb_s": None if mapped is None else round(mapped, 1),
+        "peer_read_plain_gb_s": None if plain is None else round(plain, 1),
+        "ratio": None if ratio is None else round(ratio, 3),
+        "meets_target": None if ratio is None else ratio >= PEER_TARGET,
+        "local_copy_mapped_gb_s": None if (v := rate(PEER_LOCAL_MAPPED)) is None else round(v, 1),
+        "local_copy_plain_gb_s": None if (v := rate(PEER_LOCAL_PLAIN)) is None else round(v, 1),
+    }
+
+
+def _render_peer_read(scenario: Scenario) -> list[str]:
+    out = [
+        f"`{scenario.key}`: GB/s (bytes copied once / median time of one copy); "
+        f"target: mapped / plain >= {PEER_TARGET:.2f}",
+        "",
+    ]
+    header = [
+        scenario.row_label,
+        "peer read of the mapped buffer (GB/s)",
+        "peer read of a plain tensor (GB/s)",
+        "mapped / plain",
+        "local copy of the mapped buffer (GB/s)",
+        "local copy of a plain tensor (GB/s)",
+    ]
+    out.append("| " + " | ".join(header) + " |")
+    out.append("|" + "|".join("---" for _ in header) + "|")
+    below = []
+    for row in scenario.rows:
+        values = _peer_row(scenario, row)
+        ratio = values["ratio"]
+        if ratio is None:
+            ratio_text = "-"
+        else:
+            ratio_text = f"{ratio:.2f}" + ("" if values["meets_target"] else " (below target)")
+            if not values["meets_target"]:
+                below.append(row)
+        out.append(
+            "| "
+            + " | ".join(
+                [
+                    row,
+                    _fmt_gbps(values["peer_read_mapped_gb_s"]),
+                    _fmt_gbps(values["peer_read_plain_gb_s"]),
+                    ratio_text,
+                    _fmt_gbps(values["local_copy_mapped_gb_s"]),
+                    _fmt_gbps(values["local_copy_plain_gb_s"]),
+                ]
+            )
+            + " |"
+        )
+    out.append("")
+    for row, reason in scenario.row_skips.items():
+        out.append(f"- {row}: skipped: {reason}")
+    for row, error in scenario.row_errors.items():
+        out.append(f"- {row}: error: {error}")
+    for name, series in scenario.systems.items():
+        for row, error in series.errors.items():
+            out.append(f"- {name}, {row}: error: {error}")
+    if below:
+        out.append(f"- Below the {PEER_TARGET:.2f} target: {', '.join(below)}.")
+    for row, info in scenario.details.items():
+        access = info.get("torch_peer_access")
+        if access is False:
+            out.append(f"- {row}: torch reports no peer access from {info.get('destination')} to {info.get('source')}.")
+    for note in scenario.notes:
+        out.append(f"- {note}")
+    if out[-1] != "":
+        out.append("")
+    return out
+
+
 def _floor_cell(bench_scenarios: dict[str, Scenario], scenario: Scenario, row: str) -> Cell | None:
     if scenario.floor is None:
         return None
@@ -977,6 +1435,8 @@ def render_markdown(scenarios: dict[str, Scenario], meta: dict[str, Any], plot_n
         ("cuda-core", "cuda_core"),
         ("numpy", "numpy"),
         ("gpushare backend", "backend"),
+        ("gpushare CUDA backends", "backends"),
+        ("GPUs", "gpus"),
         ("CPUs", "cpus"),
         ("platform", "platform"),
     ):
@@ -998,6 +1458,22 @@ def render_markdown(scenarios: dict[str, Scenario], meta: dict[str, Any], plot_n
         "in microseconds; ratio columns divide medians by the floor: the same pattern carrying a small "
         "tuple through `multiprocessing.Queue` (the first table), which no handoff can beat.",
         "",
+        "gpushare has one column per backend (`--backends`; `Manager.empty(..., backend=name)` picks it per "
+        "allocation), measured in the same run as the peers, each with its own ratio to the floor. A backend this "
+        "machine cannot run (`BackendUnavailableError`) is listed as a skipped column with the reason.",
+        "",
+        f"`peer_read` (two GPUs and torch only) is a bandwidth test, not a handoff: per backend, the producer fills "
+        f"a 1 GiB float32 buffer on cuda:{PEER_HOME} and sends it to one consumer started with "
+        f"`Process(device={PEER_DEVICE})`. The consumer views it with `torch.as_tensor(buf, "
+        f'device="cuda:{PEER_HOME}")` (checked to alias the mapping) and times `dst.copy_(src)` into a '
+        f"cuda:{PEER_DEVICE} tensor with CUDA events on the destination's stream, both GPUs synchronized before "
+        f"each copy, median of {PEER_ITERS} copies after {PEER_WARMUP} warm-up rounds ({PEER_ITERS_QUICK} after "
+        f"{PEER_WARMUP_QUICK} with --quick). GB/s is bytes copied once / median time. The reference is the same copy "
+        f"from a plain torch tensor the consumer allocated on cuda:{PEER_HOME} itself (the NVLink rate), "
+        "interleaved copy by copy with the mapped one; local copies on the memory's own GPU are shown for "
+        "scale. Afterwards the consumer checks that the copies hold the producer's fill, releases the buffer and "
+        "drops its tensors before answering; the producer joins it with a timeout.",
+        "",
         "**Absolute times mean something only on a GPU machine** (and only on one like the one named above): "
         "CPU count, scheduler noise and the host-only backend change them a lot. Compare ratios to the floor, "
         "which were measured in the same run and the same pattern.",
@@ -1010,6 +1486,10 @@ def render_markdown(scenarios: dict[str, Scenario], meta: dict[str, Any], plot_n
 
 
 def _render_scenario(scenarios: dict[str, Scenario], scenario: Scenario) -> list[str]:
+    if scenario.skipped is not None:
+        return [f"## {scenario.title}", "", f"`{scenario.key}`: skipped: {scenario.skipped}", ""]
+    if scenario.kind == "throughput":
+        return [f"## {scenario.title}", "", *_render_peer_read(scenario)]
     systems = [name for name, s in scenario.systems.items() if s.skipped is None]
     wanted = scenario.ratio_systems
     ratio_systems = [n for n in systems if scenario.floor is not None and (wanted is None or n in wanted)]
@@ -1047,28 +1527,38 @@ def _render_scenario(scenarios: dict[str, Scenario], scenario: Scenario) -> list
 
 
 def render_json(scenarios: dict[str, Scenario], meta: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "meta": meta,
-        "scenarios": {
-            key: {
-                "title": s.title,
-                "row_label": s.row_label,
-                "rows": s.rows,
-                "floor": list(s.floor) if s.floor else None,
-                "floor_row": s.floor_row,
-                "notes": s.notes,
-                "systems": {
-                    name: {
-                        "skipped": series.skipped,
-                        "errors": series.errors,
-                        "cells": {row: asdict(cell) for row, cell in series.cells.items()},
-                    }
-                    for name, series in s.systems.items()
-                },
+    return {"meta": meta, "scenarios": {key: _scenario_json(s) for key, s in scenarios.items()}}
+
+
+def _scenario_json(s: Scenario) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "title": s.title,
+        "row_label": s.row_label,
+        "rows": s.rows,
+        "kind": s.kind,
+        "skipped": s.skipped,
+        "floor": list(s.floor) if s.floor else None,
+        "floor_row": s.floor_row,
+        "notes": s.notes,
+        "systems": {
+            name: {
+                "skipped": series.skipped,
+                "errors": series.errors,
+                "cells": {row: asdict(cell) for row, cell in series.cells.items()},
             }
-            for key, s in scenarios.items()
+            for name, series in s.systems.items()
         },
     }
+    if s.row_skips or s.row_errors:
+        out["row_skips"] = s.row_skips
+        out["row_errors"] = s.row_errors
+    if s.kind == "throughput":
+        # The cells above are times of one copy (us); this is the table of the report, in GB/s.
+        out["bytes_per_copy"] = s.throughput_bytes
+        out["target_ratio"] = PEER_TARGET
+        out["table"] = {row: _peer_row(s, row) for row in s.rows if any(row in x.cells for x in s.systems.values())}
+        out["details"] = s.details
+    return out
 
 
 def render_plot(scenarios: dict[str, Scenario], meta: dict[str, Any], path: str) -> str:
@@ -1118,7 +1608,37 @@ def render_plot(scenarios: dict[str, Scenario], meta: dict[str, Any], path: str)
 # Command line
 # ---------------------------------------------------------------------------
 
-SCENARIO_KEYS = ("floors", "handoff_recycled", "handoff_fresh", "first_share", "host")
+SCENARIO_KEYS = ("floors", "handoff_recycled", "handoff_fresh", "first_share", "peer_read", "host")
+
+
+def _known_cuda_backends() -> tuple[str, ...]:
+    """CUDA_BACKENDS, then any other CUDA backend the library lists (never fails)."""
+    names = list(CUDA_BACKENDS)
+    try:
+        from ._backends import BACKENDS
+
+        names += [name for name in BACKENDS if name != HOST_BACKEND and name not in names]
+    except Exception:
+        pass
+    return tuple(names)
+
+
+def _backend_list(text: str) -> tuple[str, ...]:
+    known = _known_cuda_backends()
+    names: list[str] = []
+    for name in (v.strip() for v in text.split(",")):
+        if name and name not in names:
+            names.append(name)
+    if not names:
+        raise argparse.ArgumentTypeError(f"{text!r}: name at least one backend ({', '.join(known)})")
+    if HOST_BACKEND in names:
+        raise argparse.ArgumentTypeError(
+            "--backends lists CUDA backends; the host backend is measured with --backend host"
+        )
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown CUDA backend(s) {', '.join(unknown)}; valid: {', '.join(known)}")
+    return tuple(names)
 
 
 def _counts(text: str) -> tuple[int, ...]:
@@ -1134,8 +1654,9 @@ def _counts(text: str) -> tuple[int, ...]:
 def _parse(argv: list[str] | None) -> Config:
     parser = argparse.ArgumentParser(
         prog="python -m gpushare.bench",
-        description="Measure gpushare's buffer handoff against multiprocessing floors, torch.multiprocessing "
-        "and cuda.core; write benchmarks.md, benchmarks.json and benchmarks.png.",
+        description="Measure gpushare's buffer handoff (one column per backend) against multiprocessing floors, "
+        "torch.multiprocessing and cuda.core, and its peer-read bandwidth on two GPUs; write benchmarks.md, "
+        "benchmarks.json and benchmarks.png.",
     )
     parser.add_argument("--out", default="docs", help="directory for the reports (default: docs)")
     parser.add_argument("--quick", action="store_true", help="fewer iterations, for smoke and CI runs")
@@ -1144,6 +1665,13 @@ def _parse(argv: list[str] | None) -> Config:
         choices=("host", "cuda"),
         default=None,
         help="gpushare backend for the handoff scenarios (default: cuda when a GPU is usable, else host)",
+    )
+    parser.add_argument(
+        "--backends",
+        type=_backend_list,
+        default=None,
+        help="gpushare CUDA backends to measure, one column each, comma-separated (default: every CUDA "
+        f"backend: {','.join(CUDA_BACKENDS)}); ignored with --backend host",
     )
     parser.add_argument("--iters", type=int, default=None, help="timed iterations per cell (default 300; 100 quick)")
     parser.add_argument(
@@ -1183,6 +1711,9 @@ def _parse(argv: list[str] | None) -> Config:
         consumers=args.consumers,
         host_consumers=host_consumers,
         only=only,
+        backends=args.backends or _known_cuda_backends(),
+        peer_iters=PEER_ITERS_QUICK if args.quick else PEER_ITERS,
+        peer_warmup=PEER_WARMUP_QUICK if args.quick else PEER_WARMUP,
     )
 
 
@@ -1192,7 +1723,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.probe()
     bench.plan()
     _progress(
-        f"gpushare.bench: backend {cfg.backend}, {len(bench.tasks)} cells, {cfg.iters} iterations each "
+        f"gpushare.bench: backend {cfg.backend} ({', '.join(cfg.backends)}), {len(bench.tasks)} cells, "
+        f"{cfg.iters} iterations each "
         f"({cfg.heavy_iters} for 64 MiB and larger); reports go to {cfg.out}/"
     )
     started = time.monotonic()

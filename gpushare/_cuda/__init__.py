@@ -313,19 +313,32 @@ def ipc_close(ptr: int, ordinal: int) -> None:
         _check("cuIpcCloseMemHandle", driver.cuIpcCloseMemHandle(ptr))
 
 
+# Memsets and host-to-device copies may return before the device has finished
+# them. gpushare's own writes complete before they return: a buffer filled and
+# put on a queue must read as filled in the consumer, whose context and
+# stream know nothing of ours.
+
+
+def _finish(driver: Any) -> None:
+    _check("cuStreamSynchronize", driver.cuStreamSynchronize(driver.CUstream(0)))
+
+
 def memset(ptr: int, value: int, nbytes: int, ordinal: int) -> None:
     with on_device(ordinal) as driver:
         _check("cuMemsetD8", driver.cuMemsetD8(ptr, value, nbytes))
+        _finish(driver)
 
 
 def memset32(ptr: int, value: int, count: int, ordinal: int) -> None:
     with on_device(ordinal) as driver:
         _check("cuMemsetD32", driver.cuMemsetD32(ptr, value, count))
+        _finish(driver)
 
 
 def memcpy_htod(dst: int, src_host: int, nbytes: int, ordinal: int) -> None:
     with on_device(ordinal) as driver:
         _check("cuMemcpyHtoD", driver.cuMemcpyHtoD(dst, src_host, nbytes))
+        _finish(driver)
 
 
 def memcpy_dtoh(dst_host: int, src: int, nbytes: int, ordinal: int) -> None:
@@ -342,6 +355,7 @@ def memcpy(dst: int, src: int, nbytes: int, ordinal: int) -> None:
     """Copy between any two device (or mapped) addresses; unified addressing finds them."""
     with on_device(ordinal) as driver:
         _check("cuMemcpy", driver.cuMemcpy(dst, src, nbytes))
+        _finish(driver)
 
 
 def stream_synchronize(stream: int, ordinal: int) -> None:
