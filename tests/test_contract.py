@@ -219,8 +219,9 @@ def test_manager_default_backend_and_per_allocation_override() -> None:
 @pytest.mark.parametrize("backend", ["cuda_ipc", "cuda_vmm", "cuda_pool"])
 def test_manager_backend_option_picks_cuda_backend(backend) -> None:
     with mp.Manager(backend=backend) as m:
-        assert m.empty((2,), device=0).backend == backend
-        assert m.empty((2,), device=0, backend="cuda_ipc").backend == "cuda_ipc"
+        default = m.empty((2,), device=0)
+        override = m.empty((2,), device=0, backend="cuda_ipc")
+        assert default.backend == backend and override.backend == "cuda_ipc"
         assert m.stats()["backends"] == ({backend: 2} if backend == "cuda_ipc" else {backend: 1, "cuda_ipc": 1})
 
 
