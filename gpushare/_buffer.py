@@ -90,10 +90,13 @@ class Memory:
         "base",
         "device",
         "device_uuid",
+        "event",
+        "event_handle",
         "generation",
         "handle",
         "native",
         "owner_token",
+        "pending",
         "source",
     )
 
@@ -112,6 +115,8 @@ class Memory:
         handle: bytes,
         native: Any,
         source: Source,
+        event: Any = None,
+        event_handle: bytes = b"",
     ) -> None:
         self.backend = backend
         self.base = base
@@ -125,8 +130,30 @@ class Memory:
         self.handle = handle
         self.native = native
         self.source = source
+        # Consumer side of CUDA buffers: the producer's ready event (opened, cached per
+        # allocation) and whether this arrival has not been waited for on the host yet.
+        self.event = event
+        self.event_handle = event_handle  # owner side: what descriptors carry
+        self.pending = event is not None
         self._count = 0
         self._lock = threading.Lock()
+
+    def ready(self) -> None:
+        """Block until the producer's work queued before it shared this buffer is done."""
+        if self.pending:
+            from . import _cuda
+
+            assert self.device is not None  # events exist only for CUDA memory
+            _cuda.event_synchronize(self.event, self.device)
+            self.pending = False
+
+    def order_stream(self, stream: int) -> None:
+        """Make ``stream`` (an int handle in this process) wait for the producer's work."""
+        if self.pending:
+            from . import _cuda
+
+            assert self.device is not None
+            _cuda.stream_wait_event(stream, self.event, self.device)
 
     def acquire(self) -> None:
         with self._lock:
@@ -220,7 +247,18 @@ class Buffer:
 
     @property
     def ptr(self) -> int:
-        """The address of the first element in this process (device pointer on CUDA)."""
+        """The address of the first element in this process (device pointer on CUDA).
+
+        In a consumer, the first access waits until the producer's work queued on
+        its default stream before it shared the buffer has finished, so the
+        pointer is safe to use from any stream.
+        """
+        address = self._address()
+        self._memory.ready()
+        return address
+
+    def _address(self) -> int:
+        """The address, checked, without waiting for the producer (interop orders by stream)."""
         self._check()
         return self._memory.base + self._offset
 

@@ -5,13 +5,16 @@ A descriptor names memory, never carries it. Its wire form is bytes::
     magic "GPSH" | version u8 | backend u8 | flags u16
     owner token (16 bytes) | alloc id u64 | generation u32 | lease id u64
     alloc size u64 | offset u64 | device uuid (16 bytes)
-    length-prefixed: owner address, backend handle, dtype string
+    length-prefixed: owner address, backend handle, dtype string, ready event
+                     (64-byte IPC event handle; empty on the host)
     ndim u8, shape i64 * ndim
     crc32 of everything before it, u32
 
 The owner token says which Manager issued it (and keys every cache), the
 owner address is where its lifetime service listens, the lease id is the
-reference this particular pickling took. :func:`Descriptor.from_bytes`
+reference this particular pickling took, and the ready event (CUDA
+buffers) was recorded on the producer's default stream when the buffer was
+pickled: the consumer orders its work after it. :func:`Descriptor.from_bytes`
 checks every field and raises :class:`~gpushare._errors.DescriptorError`
 saying what was wrong, so corrupt or truncated bytes never reach a driver.
 """
@@ -53,6 +56,7 @@ class Descriptor:
     handle: bytes
     dtype: str
     shape: tuple[int, ...]
+    event: bytes = b""
 
     @property
     def nbytes(self) -> int:
@@ -76,7 +80,7 @@ class Descriptor:
                 self.device_uuid.ljust(16, b"\0"),
             )
         ]
-        for field in (address, self.handle, dtype):
+        for field in (address, self.handle, dtype, self.event):
             parts.append(struct.pack("<H", len(field)))
             parts.append(field)
         parts.append(struct.pack(f"<B{len(self.shape)}q", len(self.shape), *self.shape))
@@ -116,7 +120,7 @@ class Descriptor:
         pos = _HEAD.size
         fields = []
         try:
-            for _ in range(3):
+            for _ in range(4):
                 (length,) = struct.unpack_from("<H", body, pos)
                 pos += 2
                 if length > _MAX_FIELD or pos + length > len(body):
@@ -153,6 +157,7 @@ class Descriptor:
             fields[1],
             dtype.str,
             tuple(shape),
+            fields[3],
         )
         if desc.offset + desc.nbytes > desc.alloc_nbytes:
             raise DescriptorError(

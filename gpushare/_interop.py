@@ -1,9 +1,12 @@
 """Zero-copy views of a Buffer for other libraries.
 
 * ``__cuda_array_interface__`` version 3 (torch, CuPy, Numba, JAX): the
-  pointer, shape and ``typestr``; ``strides`` None (C order); ``stream``
-  None, because a buffer carries no pending work of its own (the producer
-  synchronises its work before sharing).
+  pointer, shape and ``typestr``; ``strides`` None (C order). In a consumer
+  that has not yet waited for the producer's ready event, ``stream`` is a
+  stream of this process made to wait on that event, and the consumer
+  orders its own stream after it (the v3 protocol); otherwise None.
+* ``__dlpack__(stream=s)``: the consumer's stream ``s`` is made to wait on
+  the ready event; ``stream=None`` waits on the host; ``-1`` does not wait.
 * DLPack (``torch.from_dlpack``, ``cupy.from_dlpack``, ``jax.dlpack``): on
   the host backend NumPy's own exporter over the zero-copy view; on CUDA a
   ``DLManagedTensor`` built here with ctypes in a capsule named
@@ -29,15 +32,35 @@ KDL_CUDA = 2
 _DL_CODES = {"i": 0, "u": 1, "f": 2, "c": 5, "b": 6}
 
 
+_streams: dict[int, int] = {}  # device -> this process's stream for ordering CAI consumers
+_streams_lock = threading.Lock()
+
+
+def _ordering_stream(device: int) -> int:
+    with _streams_lock:
+        stream = _streams.get(device)
+        if stream is None:
+            stream = _streams[device] = _cuda.stream_create(device)
+        return stream
+
+
 def cuda_array_interface(buf: Any) -> dict[str, Any]:
+    memory = buf._memory
+    address = buf._address()
+    stream = None
+    if memory.pending:
+        # v3: hand the consumer a stream that waits for the producer's ready event;
+        # it orders its own stream after ours, with no host-side wait.
+        stream = _ordering_stream(memory.device)
+        memory.order_stream(stream)
     return {
         "shape": buf.shape,
         "typestr": buf.dtype.str,
         "descr": [("", buf.dtype.str)],
-        "data": (buf.ptr, False),
+        "data": (address, False),
         "strides": None,
         "version": 3,
-        "stream": None,
+        "stream": stream,
     }
 
 
@@ -148,9 +171,14 @@ def to_dlpack(
     ndim = buf.ndim
     shape = (ctypes.c_int64 * max(ndim, 1))(*buf.shape)
     strides = (ctypes.c_int64 * max(ndim, 1))(*[s // buf.dtype.itemsize for s in buf.strides])
+    address = buf._address()
+    if stream is None:  # no stream named: the data must be ready for any of them
+        buf._memory.ready()
+    elif stream != -1:  # -1: the consumer asked for no synchronisation
+        buf._memory.order_stream(int(stream))  # type: ignore[call-overload]
     managed = _DLManagedTensor()
     tensor = managed.dl_tensor
-    tensor.data = buf.ptr
+    tensor.data = address
     tensor.device = _DLDevice(KDL_CUDA, buf._memory.device)
     tensor.ndim = ndim
     kind = "b" if buf.dtype == np.bool_ else buf.dtype.kind

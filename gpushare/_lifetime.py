@@ -39,7 +39,10 @@ Consumer side (:class:`Link`, one per owner per process)
   raises :class:`OwnerGoneError` when touched.
 
 Wire messages are pickled tuples on an authenticated connection:
-consumer -> owner ``("hello", pid)``, ``("claim", req, lease, alloc)``,
+consumer -> owner ``("hello", pid)``, ``("claim", req, lease, alloc)``
+(first arrival of an allocation: answered), ``("claim_async", lease, alloc)``
+(an allocation this process already maps: answered only by
+``("claim_failed", lease, message)``),
 ``("lease", req, alloc, generation)``, ``("fd", req, alloc)``,
 ``("release", [lease, ...])``, ``("unmapped", alloc, ok)``; owner ->
 consumer ``("ok", req, value)``, ``("okfd", req, None)`` immediately
@@ -70,7 +73,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _backends
+from . import _backends, _cuda
 from ._buffer import Buffer, Memory
 from ._descriptor import Descriptor
 from ._errors import (
@@ -129,6 +132,8 @@ class _Slot:
     pooled: bool = False
     dead: bool = False  # memory freed
     detached: bool = False  # Manager shut down while the owner still used it: free on drop
+    event: Any = None  # CUDA: interprocess ready event, recorded at every share
+    event_handle: bytes = b""
     label: str = ""
 
     @property
@@ -193,6 +198,7 @@ class _OwnerSource:
     def share(self, memory: Memory) -> int:
         lease_id = self.owner.take_lease(self.slot, memory.generation)
         memory.handle = self.slot.allocation.handle  # exported on first share
+        memory.event_handle = self.slot.event_handle
         return lease_id
 
     def check(self, memory: Memory) -> None:
@@ -356,10 +362,25 @@ class Owner:
             if slot.generation != generation:
                 raise DescriptorError("this buffer's allocation was recycled; it cannot be shared any more")
             slot.allocation.handle = slot.backend.export(slot.allocation)
+            if slot.backend.is_cuda:
+                self._record_ready(slot)
             lease = _Lease(next(self._lease_ids), slot, generation, None, time.monotonic())
             self._leases[lease.lease_id] = lease
             slot.leases.add(lease.lease_id)
             return lease.lease_id
+
+    def _record_ready(self, slot: _Slot) -> None:
+        """Lock held. Mark, on the default stream, the point the consumer must wait for.
+
+        One interprocess event per allocation, created on first share and
+        recorded at every share: recording costs microseconds, opening one in a
+        consumer a third of a millisecond, so consumers open it once.
+        """
+        device = slot.allocation.device
+        assert device is not None
+        if slot.event is None:
+            slot.event, slot.event_handle = _cuda.event_create_ipc(device)
+        _cuda.event_record(slot.event, device)
 
     def _claim(self, lease_id: int, alloc_id: int, holder: int) -> _Lease:
         """Lock held."""
@@ -449,6 +470,14 @@ class Owner:
                 for lease_id in message[1]:
                     self._release_lease(lease_id, peer.conn_id)
                 self._drain_locked()
+        elif kind == "claim_async":
+            _, lease_id, alloc_id = message
+            try:
+                with self._lock:
+                    self._drain_locked()
+                    self._claim(lease_id, alloc_id, peer.conn_id)
+            except DescriptorError as exc:
+                peer.send(("claim_failed", lease_id, str(exc)))
         elif kind == "claim":
             _, req, lease_id, alloc_id = message
             try:
@@ -591,6 +620,9 @@ class Owner:
             return
         slot.dead = True
         self._slots.pop(slot.alloc_id, None)
+        if slot.event is not None:
+            assert slot.allocation.device is not None
+            _cuda.event_destroy(slot.event, slot.allocation.device)
         slot.backend.free(slot.allocation)
 
     def _destroy(self, slot: _Slot) -> bool:
@@ -717,6 +749,9 @@ class _LeaseSource:
         return int(self.link.request("lease", memory.alloc_id, memory.generation))
 
     def check(self, memory: Memory) -> None:
+        refused = self.link._failed.get(self.lease_id)
+        if refused is not None:
+            raise DescriptorError(f"the owner refused this buffer's lease: {refused}")
         if self.link.gone is not None:
             raise OwnerGoneError(
                 f"the process that owns this buffer is gone ({self.link.gone}); its memory may be freed. "
@@ -737,6 +772,9 @@ class Link:
         self._send_lock = threading.Lock()
         self._map_lock = threading.Lock()
         self._mappings: dict[int, _backends.Mapping] = {}
+        self._events: dict[int, tuple[bytes, Any, int]] = {}  # alloc id -> (handle, opened event, device)
+        self._failed: dict[int, str] = {}  # lease id -> why the owner refused an asynchronous claim
+        self._held: set[int] = set()  # lease ids claimed by this process and not yet released
         self._waiting: dict[int, list[Any]] = {}
         self._wait_lock = threading.Lock()
         self._reqs = itertools.count(1)
@@ -811,6 +849,8 @@ class Link:
                         self._send(("unmapped", message[1], ok))
                     except OwnerGoneError:
                         return
+                elif kind == "claim_failed":
+                    self._failed[message[1]] = message[2]
                 elif kind == "bye":
                     self._mark_gone(message[1])
                     return
@@ -840,7 +880,8 @@ class Link:
                     break
             if batch:
                 with self._map_lock:
-                    for _, alloc_id in batch:
+                    for lease_id, alloc_id in batch:
+                        self._held.discard(lease_id)
                         mapping = self._mappings.get(alloc_id)
                         if mapping is not None:
                             mapping.refs -= 1
@@ -860,6 +901,7 @@ class Link:
             if mapping.refs > 0:
                 return False
             del self._mappings[alloc_id]
+        self._forget_event(alloc_id)
         try:
             _backends.get(mapping.backend).close(mapping)
         except Exception:
@@ -867,15 +909,36 @@ class Link:
         return True
 
     def attach(self, desc: Descriptor) -> Buffer:
-        """Claim the descriptor's lease, map its memory (cached), return the Buffer."""
-        self.request("claim", desc.lease_id, desc.alloc_id)
+        """Claim the descriptor's lease, map its memory (cached), return the Buffer.
+
+        Steady state (the allocation is already mapped here, so the owner
+        already counts this process among its mappers and cannot free it
+        under us) costs one message and no wait: the claim is sent and the
+        owner answers only if it refuses it, which marks the buffer bad.
+        A first arrival claims synchronously before it maps anything.
+        """
         backend = _backends.get(desc.backend)
-        try:
+        with self._map_lock:
+            if desc.lease_id in self._held:
+                raise DescriptorError(
+                    f"lease {desc.lease_id} is already held by a buffer in this process: a pickled buffer "
+                    "can be unpickled once; pickle the buffer once per receiver"
+                )
+            mapping = self._mappings.get(desc.alloc_id)
+            if mapping is not None:
+                mapping.refs += 1
+                self._held.add(desc.lease_id)
+        if mapping is not None:
+            try:
+                self._send(("claim_async", desc.lease_id, desc.alloc_id))
+            except BaseException:
+                self._writes.put((desc.lease_id, desc.alloc_id))
+                raise
+        else:
+            self.request("claim", desc.lease_id, desc.alloc_id)
             with self._map_lock:
-                mapping = self._mappings.get(desc.alloc_id)
-                if mapping is not None:
-                    mapping.refs += 1
-            if mapping is None:
+                self._held.add(desc.lease_id)
+            try:
                 # Opened without the map lock: an fd-based open waits on the reader
                 # thread, which takes that lock to answer the owner's unmap requests.
                 opened = backend.open(
@@ -890,9 +953,16 @@ class Link:
                     mapping.refs += 1
                 if mapping is not opened:  # another thread mapped it first
                     backend.close(opened)
-        except BaseException:
-            self._writes.put((desc.lease_id, -1))
-            raise
+            except BaseException:
+                self._writes.put((desc.lease_id, -1))
+                raise
+        event = None
+        if desc.event:
+            try:
+                event = self._event(desc.alloc_id, desc.event, mapping.device)
+            except BaseException:
+                self._writes.put((desc.lease_id, desc.alloc_id))
+                raise
         memory = Memory(
             backend=backend,
             base=mapping.ptr,
@@ -906,8 +976,33 @@ class Link:
             handle=desc.handle,
             native=mapping.native,
             source=_LeaseSource(self, desc.lease_id),
+            event=event,
         )
         return Buffer(memory, desc.offset, desc.shape, np.dtype(desc.dtype))
+
+    def _event(self, alloc_id: int, handle: bytes, device: int | None) -> Any:
+        """The producer's ready event for an allocation, opened once per process."""
+        with self._map_lock:
+            cached = self._events.get(alloc_id)
+        if cached is not None and cached[0] == handle:
+            return cached[1]
+        assert device is not None
+        event = _cuda.event_open(handle, device)
+        with self._map_lock:
+            old = self._events.get(alloc_id)
+            self._events[alloc_id] = (handle, event, device)
+        if old is not None:
+            _cuda.event_destroy(old[1], old[2])
+        return event
+
+    def _forget_event(self, alloc_id: int) -> None:
+        with self._map_lock:
+            entry = self._events.pop(alloc_id, None)
+        if entry is not None:
+            try:
+                _cuda.event_destroy(entry[1], entry[2])
+            except Exception:
+                log.exception("gpushare: destroying an opened event failed")
 
     @property
     def open_mappings(self) -> int:
@@ -923,6 +1018,8 @@ class Link:
         except OSError:
             pass
         self._mark_gone("this process closed its connection")
+        for alloc_id in list(self._events):
+            self._forget_event(alloc_id)
         with self._map_lock:
             mappings = list(self._mappings.values())
             self._mappings.clear()

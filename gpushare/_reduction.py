@@ -42,6 +42,7 @@ def descriptor_of(buf: Buffer) -> Descriptor:
         handle=memory.handle,
         dtype=buf.dtype.str,
         shape=buf.shape,
+        event=memory.event_handle,
     )
 
 

@@ -26,6 +26,7 @@ def make(**over: object) -> Descriptor:
         handle=bytes(range(64)),
         dtype="<f2",
         shape=(64, 3, 8),
+        event=bytes(range(64, 128)),
     )
     fields.update(over)
     return Descriptor(**fields)  # type: ignore[arg-type]
@@ -34,11 +35,11 @@ def make(**over: object) -> Descriptor:
 def test_round_trip() -> None:
     desc = make()
     assert Descriptor.from_bytes(desc.to_bytes()) == desc
-    assert len(desc.to_bytes()) < 256  # small: it is what travels per handoff
+    assert len(desc.to_bytes()) < 320  # small: it is what travels per handoff
 
 
 def test_host_descriptor_round_trip() -> None:
-    desc = make(backend="host", device_uuid=b"", handle=b"/gpushare-1-ab-3", shape=(), dtype="|b1")
+    desc = make(backend="host", device_uuid=b"", handle=b"/gpushare-1-ab-3", shape=(), dtype="|b1", event=b"")
     assert Descriptor.from_bytes(desc.to_bytes()) == desc
 
 

@@ -239,6 +239,27 @@ def _w_other_gpu(out: Any, q: Any) -> None:
     buf.release()
 
 
+def _w_ordered_read(out: Any, q: Any, how: str) -> None:
+    if how == "torch_dlpack":
+        import torch
+
+        torch.zeros(1, device="cuda")
+    elif how == "cupy_cai":
+        import cupy
+
+        cupy.zeros(1)
+    out.put(("ready",))
+    buf = q.get(timeout=TIMEOUT)
+    if how == "numpy":
+        values = buf.numpy()
+    elif how == "torch_dlpack":
+        values = torch.from_dlpack(buf).cpu().numpy()  # its stream waits on the ready event
+    else:
+        values = cupy.asnumpy(cupy.asarray(buf))  # CAI v3: CuPy orders after the given stream
+    out.put(("seen", float(values.min()), float(values.max())))
+    buf.release()
+
+
 def _noop() -> None:
     pass
 
@@ -512,4 +533,27 @@ def test_buffer_on_second_gpu_used_by_worker_on_first(manager: mp.BufferManager,
     assert seen and base_ok
     assert size == 2 * MiB
     np.testing.assert_array_equal(buf.numpy(), arr + 1)
+    _join(proc)
+
+
+@pytest.mark.parametrize("how", ["numpy", "torch_dlpack", "cupy_cai"])
+def test_consumer_waits_for_a_long_running_producer_kernel(
+    manager: mp.BufferManager, reap: list[Any], how: str
+) -> None:
+    torch = _require("torch")
+    if how == "cupy_cai":
+        _require("cupy")
+    q, out = mp.Queue(), mp.Queue()
+    proc = _start(reap, _w_ordered_read, out, q, how)
+    assert _recv(out, proc, timeout=120) == ("ready",)
+    buf = manager.zeros((1 << 22,), "float32", device=0)
+    t = torch.from_dlpack(buf)
+    torch.cuda._sleep(3_000_000_000)  # over a second of GPU time on the default stream
+    t.fill_(7.0)  # queued behind it
+    assert not torch.cuda.current_stream().query(), "the producer's kernel finished too early to test anything"
+    q.put(buf)  # no synchronize: the ready event recorded at pickling carries the ordering
+    tag, low, high = _recv(out, proc, timeout=60)
+    assert tag == "seen"
+    assert (low, high) == (7.0, 7.0), f"consumer read before the producer's kernel finished ({how})"
+    del t
     _join(proc)

@@ -372,3 +372,35 @@ def test_put_of_unpicklable_item_raises_in_caller() -> None:
     assert jq.get(timeout=5) == 1
     jq.task_done()
     jq.join()
+
+
+def unpickle_twice_and_touch(data, results) -> None:
+    first = pickle.loads(data)  # claims the lease and maps the allocation
+    try:
+        pickle.loads(data)
+    except mp.DescriptorError as exc:
+        results.put(("same process", str(exc), float(first.numpy().sum())))
+    first.release()
+    time.sleep(0.5)  # the release reaches the owner; the mapping stays cached here
+    stale = pickle.loads(data)  # mapping cached: claimed asynchronously, refused by the owner
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            stale.numpy()
+        except mp.DescriptorError as exc:
+            results.put(("refused", str(exc), None))
+            return
+        time.sleep(0.01)
+    results.put(("accepted", None, None))
+
+
+def test_a_descriptor_unpickled_twice_in_one_process(manager, reap) -> None:
+    buf = manager.full((4,), 1.0, device="cpu")
+    results = mp.Queue()
+    start(reap, unpickle_twice_and_touch, pickle.dumps(buf), results)
+    kind, message, first_sum = results.get(timeout=30)
+    assert kind == "same process" and "unpickled once" in message
+    assert first_sum == 4.0  # the legitimate copy is unaffected
+    kind, message, _ = results.get(timeout=30)
+    assert kind == "refused" and "unknown" in message
+    wait_until(lambda: manager.stats()["leases"] == 0)
