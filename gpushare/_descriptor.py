@@ -24,7 +24,8 @@ from __future__ import annotations
 import math
 import struct
 import zlib
-from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -42,8 +43,14 @@ _MAX_NDIM = 32
 _MAX_FIELD = 4096
 
 
-@dataclass(frozen=True, slots=True)
-class Descriptor:
+@lru_cache(maxsize=64)
+def _dtype(text: str) -> np.dtype[Any]:
+    return np.dtype(text)
+
+
+class Descriptor(NamedTuple):
+    """What names one shared buffer; immutable, and cheap to build on the hot path."""
+
     backend: str
     owner_token: bytes
     address: str
@@ -60,7 +67,7 @@ class Descriptor:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+        return math.prod(self.shape) * _dtype(self.dtype).itemsize
 
     def to_bytes(self) -> bytes:
         address = self.address.encode()
@@ -139,7 +146,7 @@ class Descriptor:
             raise DescriptorError(f"buffer descriptor has {len(body) - pos} unexpected trailing bytes")
         try:
             address = fields[0].decode()
-            dtype = np.dtype(fields[2].decode())
+            dtype = _dtype(fields[2].decode())
         except (UnicodeDecodeError, TypeError) as exc:
             raise DescriptorError(f"buffer descriptor has an invalid field: {exc}") from exc
         if any(dim < 0 for dim in shape):

@@ -40,11 +40,11 @@ Consumer side (:class:`Link`, one per owner per process)
 
 Wire messages are pickled tuples on an authenticated connection:
 consumer -> owner ``("hello", pid)``, ``("claim", req, lease, alloc)``
-(first arrival of an allocation: answered), ``("claim_async", lease, alloc)``
-(an allocation this process already maps: answered only by
-``("claim_failed", lease, message)``),
-``("lease", req, alloc, generation)``, ``("fd", req, alloc)``,
-``("release", [lease, ...])``, ``("unmapped", alloc, ok)``; owner ->
+(first arrival of an allocation: answered), ``("batch", [lease...], [lease...])``
+(claims of allocations this process already maps, then releases; a refused
+claim is answered by ``("claim_failed", lease, message)``),
+``("lease", req, alloc, generation, lease it came under)``, ``("fd", req, alloc)``,
+``("unmapped", alloc, ok)``; owner ->
 consumer ``("ok", req, value)``, ``("okfd", req, None)`` immediately
 followed on the socket by one file descriptor (SCM_RIGHTS: the fd-based
 backends' allocation or pool handle, sent only for an allocation the
@@ -89,6 +89,7 @@ __all__ = ["Link", "Owner", "attach", "close_links", "owner_for"]
 log = logging.getLogger("gpushare")
 
 LOCAL = 0  # holder id of leases claimed inside the owner's own process
+_CLAIM, _RELEASE = 0, 1  # kinds of the consumer's batched lease traffic
 REQUEST_TIMEOUT = 30.0
 
 
@@ -382,10 +383,10 @@ class Owner:
             slot.event, slot.event_handle = _cuda.event_create_ipc(device)
         _cuda.event_record(slot.event, device)
 
-    def _claim(self, lease_id: int, alloc_id: int, holder: int) -> _Lease:
-        """Lock held."""
+    def _claim(self, lease_id: int, alloc_id: int | None, holder: int) -> _Lease:
+        """Lock held. ``alloc_id`` None: the claimer already maps the allocation."""
         lease = self._leases.get(lease_id)
-        if lease is None or lease.slot.alloc_id != alloc_id:
+        if lease is None or (alloc_id is not None and lease.slot.alloc_id != alloc_id):
             raise DescriptorError(
                 f"lease {lease_id} is unknown to its owner: a pickled buffer can be unpickled once, "
                 f"and only within lease_timeout ({self.lease_timeout:g} s) of being pickled. Pickle it again"
@@ -465,19 +466,20 @@ class Owner:
 
     def _handle(self, peer: _Peer, message: tuple[Any, ...]) -> None:
         kind = message[0]
-        if kind == "release":
+        if kind == "batch":
+            _, claims, releases = message
+            refused = []
             with self._lock:
-                for lease_id in message[1]:
+                for lease_id in claims:
+                    try:
+                        self._claim(lease_id, None, peer.conn_id)
+                    except DescriptorError as exc:
+                        refused.append((lease_id, str(exc)))
+                for lease_id in releases:
                     self._release_lease(lease_id, peer.conn_id)
                 self._drain_locked()
-        elif kind == "claim_async":
-            _, lease_id, alloc_id = message
-            try:
-                with self._lock:
-                    self._drain_locked()
-                    self._claim(lease_id, alloc_id, peer.conn_id)
-            except DescriptorError as exc:
-                peer.send(("claim_failed", lease_id, str(exc)))
+            for lease_id, why in refused:
+                peer.send(("claim_failed", lease_id, why))
         elif kind == "claim":
             _, req, lease_id, alloc_id = message
             try:
@@ -488,11 +490,14 @@ class Owner:
             except DescriptorError as exc:
                 peer.send(("err", req, str(exc)))
         elif kind == "lease":
-            _, req, alloc_id, generation = message
+            # Re-sharing a buffer this peer received: it must hold the lease it
+            # received it under, or have its claim of that lease still in flight.
+            _, req, alloc_id, generation, via = message
             try:
                 with self._lock:
                     slot = self._slots.get(alloc_id)
-                    held = slot is not None and any(self._leases[i].slot is slot for i in peer.leases)
+                    lease = self._leases.get(via)
+                    held = lease is not None and lease.slot is slot and lease.holder in (peer.conn_id, None)
                 if slot is None or not held:
                     raise DescriptorError(f"allocation {alloc_id} is not leased to this process")
                 peer.send(("ok", req, self.take_lease(slot, generation)))
@@ -743,10 +748,10 @@ class _LeaseSource:
         self.lease_id = lease_id
 
     def drop(self, memory: Memory) -> None:
-        self.link._writes.put((self.lease_id, memory.alloc_id))
+        self.link._writes.put((_RELEASE, self.lease_id, memory.alloc_id))
 
     def share(self, memory: Memory) -> int:
-        return int(self.link.request("lease", memory.alloc_id, memory.generation))
+        return int(self.link.request("lease", memory.alloc_id, memory.generation, self.lease_id))
 
     def check(self, memory: Memory) -> None:
         refused = self.link._failed.get(self.lease_id)
@@ -778,7 +783,8 @@ class Link:
         self._waiting: dict[int, list[Any]] = {}
         self._wait_lock = threading.Lock()
         self._reqs = itertools.count(1)
-        self._writes: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
+        # Lease traffic, sent by the writer thread in batches: (_CLAIM | _RELEASE, lease, alloc).
+        self._writes: queue.SimpleQueue[tuple[int, int, int] | None] = queue.SimpleQueue()
         try:
             self.conn = connection.Client(address, family="AF_UNIX", authkey=authkey)
         except AuthenticationError as exc:
@@ -879,15 +885,17 @@ class Link:
                 except queue.Empty:
                     break
             if batch:
+                claims = [lease_id for kind, lease_id, _ in batch if kind == _CLAIM]
+                releases = [(lease_id, alloc_id) for kind, lease_id, alloc_id in batch if kind == _RELEASE]
                 with self._map_lock:
-                    for lease_id, alloc_id in batch:
+                    for lease_id, alloc_id in releases:
                         self._held.discard(lease_id)
                         mapping = self._mappings.get(alloc_id)
                         if mapping is not None:
                             mapping.refs -= 1
                 if self.gone is None:
                     try:
-                        self._send(("release", [lease_id for lease_id, _ in batch]))
+                        self._send(("batch", claims, [lease_id for lease_id, _ in releases]))
                     except OwnerGoneError:
                         pass
             if stop:
@@ -929,11 +937,9 @@ class Link:
                 mapping.refs += 1
                 self._held.add(desc.lease_id)
         if mapping is not None:
-            try:
-                self._send(("claim_async", desc.lease_id, desc.alloc_id))
-            except BaseException:
-                self._writes.put((desc.lease_id, desc.alloc_id))
-                raise
+            # Claimed by the writer thread, batched with releases: the caller pays
+            # for a queue put, not a socket write.
+            self._writes.put((_CLAIM, desc.lease_id, desc.alloc_id))
         else:
             self.request("claim", desc.lease_id, desc.alloc_id)
             with self._map_lock:
@@ -954,14 +960,14 @@ class Link:
                 if mapping is not opened:  # another thread mapped it first
                     backend.close(opened)
             except BaseException:
-                self._writes.put((desc.lease_id, -1))
+                self._writes.put((_RELEASE, desc.lease_id, -1))
                 raise
         event = None
         if desc.event:
             try:
                 event = self._event(desc.alloc_id, desc.event, mapping.device)
             except BaseException:
-                self._writes.put((desc.lease_id, desc.alloc_id))
+                self._writes.put((_RELEASE, desc.lease_id, desc.alloc_id))
                 raise
         memory = Memory(
             backend=backend,
