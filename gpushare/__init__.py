@@ -4,7 +4,7 @@
 every public name of :mod:`multiprocessing` is here, bound to gpushare's
 default context (spawn start method, gpushare Process and Manager), and
 buffers made by ``mp.Manager()`` travel through queues, pipes and process
-argumentsmall descriptors that the receiver maps with no copy.
+arguments as small descriptors that the receiver maps with no copy.
 
 This module is only a facade: the implementation lives in private modules.
 """
@@ -28,9 +28,11 @@ from ._errors import (
     ManagerClosedError,
     NoDeviceError,
     OwnerGoneError,
+    RingClosedError,
     StartMethodError,
 )
 from ._manager import GRANULARITY, BufferManager
+from ._ring import Ring
 
 __version__ = "0.1.0"
 
@@ -52,6 +54,8 @@ __all__ = [
     "ManagerClosedError",
     "NoDeviceError",
     "OwnerGoneError",
+    "Ring",
+    "RingClosedError",
     "StartMethodError",
 ]
 

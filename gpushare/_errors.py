@@ -12,6 +12,10 @@ Every exception raised on purpose by gpushare derives from
 * :class:`ManagerClosedError` -- closed by you: the Manager was shut down.
 * :class:`OwnerGoneError` -- broken by the peer: the process that owns the
   memory exited or can no longer be reached.
+* :class:`RingClosedError` -- a :class:`~gpushare.Ring` was closed: by its
+  producer (a consumer's ``get()`` after the last item), or by you (the
+  producer's ``acquire()``/``publish()`` after ``close()``). A producer
+  that *died* shows as :class:`OwnerGoneError` instead.
 * :class:`DescriptorError` -- a descriptor is corrupt, truncated, from an
   incompatible version, or names a lease the owner does not know.
 * :class:`StartMethodError` -- a start method that cannot work with CUDA.
@@ -34,6 +38,7 @@ __all__ = [
     "ManagerClosedError",
     "NoDeviceError",
     "OwnerGoneError",
+    "RingClosedError",
     "StartMethodError",
 ]
 
@@ -81,6 +86,10 @@ class ManagerClosedError(GpushareError, RuntimeError):
 
 class OwnerGoneError(GpushareError, ConnectionError):
     """The process that owns the memory exited or stopped answering."""
+
+
+class RingClosedError(GpushareError, EOFError):
+    """The ring was closed: no more items will come (consumer), or none may be published (producer)."""
 
 
 class DescriptorError(GpushareError, ValueError):

@@ -15,6 +15,7 @@ size-class pool keyed by (backend, device, rounded size).
 from __future__ import annotations
 
 import math
+import weakref
 from multiprocessing import current_process
 from multiprocessing.managers import SyncManager
 from typing import Any
@@ -25,6 +26,7 @@ from . import _backends
 from ._buffer import Buffer, check_dtype, check_shape
 from ._errors import ManagerClosedError
 from ._lifetime import Owner
+from ._ring import Ring, create_ring
 
 __all__ = ["GRANULARITY", "BufferManager", "round_size"]
 
@@ -79,6 +81,7 @@ class BufferManager(SyncManager):
             "pool_limit": pool_limit,
         }
         self._owner: Owner | None = None
+        self._rings: weakref.WeakSet[Ring] = weakref.WeakSet()  # closed at shutdown, before waiting for leases
 
     # -- lifecycle -----------------------------------------------------------
     def start(self, initializer: Any = None, initargs: Any = ()) -> None:
@@ -87,8 +90,12 @@ class BufferManager(SyncManager):
         server_shutdown = self.shutdown  # SyncManager.start() installs a Finalize here
         owner = self._owner
 
+        rings = self._rings
+
         def shutdown(timeout: float | None = None) -> None:
             try:
+                for ring in list(rings):
+                    ring.close()  # consumers give their slot leases back
                 owner.shutdown(timeout)
             finally:
                 server_shutdown()
@@ -131,6 +138,26 @@ class BufferManager(SyncManager):
         if int(nbytes) < 0:
             raise ValueError(f"nbytes={nbytes} is negative")
         return self.empty((int(nbytes),), "uint8", device, backend=backend)
+
+    def ring(
+        self,
+        shape: Any,
+        dtype: Any = "float32",
+        device: Any = None,
+        *,
+        slots: int = 4,
+        consumers: int = 1,
+        backend: str | None = None,
+    ) -> Ring:
+        """A ring of ``slots`` pre-shared buffers for producer -> consumers pipelines.
+
+        Pickle the ring into each consumer (e.g. as a Process argument);
+        ``publish()`` first waits for ``consumers`` registrations. See
+        :class:`~gpushare.Ring` and the protocol in ``gpushare._ring``.
+        """
+        ring = create_ring(self, shape, dtype, device, slots=slots, consumers=consumers, backend=backend)
+        self._rings.add(ring)
+        return ring
 
     # -- observability and upkeep ------------------------------------------------------
     def stats(self) -> dict[str, Any]:

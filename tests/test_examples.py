@@ -9,7 +9,7 @@ import sys
 import pytest
 from conftest import ROOT, subprocess_env
 
-EXAMPLES = ["fanout.py", "producer_consumer.py", "pool_map.py"]
+EXAMPLES = ["fanout.py", "producer_consumer.py", "pool_map.py", "ring_pipeline.py"]
 
 
 @pytest.mark.parametrize("name", EXAMPLES)

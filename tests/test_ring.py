@@ -1,0 +1,360 @@
+"""The ring: pre-shared slots, producer -> N consumers, across real processes (host backend).
+
+Every worker is a spawned gpushare Process; every get, acquire and join has
+a timeout, and the ``reap`` fixture kills survivors.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import pickle
+import shutil
+import signal
+import time
+
+import numpy as np
+import pytest
+from conftest import wait_until
+
+import gpushare as mp
+from gpushare import _backends
+
+SHAPE = (32, 16)
+
+# -- workers (module level: spawn pickles them by reference) -------------------------
+
+
+def consume_all(ring, results, tag) -> None:
+    """Iterate until the ring closes; report what arrived, where it was mapped, and the opens."""
+    seen = []
+    ptrs: dict[int, set[int]] = {}
+    for item in ring.items(timeout=30):
+        values = item.numpy()
+        seen.append(
+            (item.sequence, item.slot, float(values.flat[0]), bool((values == values.flat[0]).all()), item.meta)
+        )
+        ptrs.setdefault(item.slot, set()).add(item.ptr)
+    results.put((tag, os.getpid(), seen, {slot: len(p) for slot, p in ptrs.items()}, _backends.get("host").opens))
+
+
+def hold_until_told(ring, results, control) -> None:
+    held = [ring.get(timeout=30) for _ in range(ring.slots)]
+    results.put(("holding", [item.sequence for item in held]))
+    control.get(timeout=60)
+    for item in held:
+        ring.release(item)
+    count = sum(1 for _ in ring.items(timeout=30))
+    results.put(("rest", count))
+
+
+def hold_everything(ring, results) -> None:
+    held = []
+    while True:
+        held.append(ring.get(timeout=60))
+        results.put(("held", len(held)))
+
+
+def report_end(ring, results) -> None:
+    count = 0
+    with ring.get(timeout=30) as first:  # released at exit
+        count += 1
+        value = float(first.numpy()[0, 0])
+    count += sum(1 for _ in ring)
+    try:
+        ring.get(timeout=5)
+    except mp.RingClosedError as exc:
+        results.put(("ended", count, value, str(exc)))
+
+
+def produce_then_wait(rings, results, control) -> None:
+    with mp.Manager() as m:
+        ring = m.ring(SHAPE, "float32", device="cpu", slots=2, consumers=1)
+        results.put(("left behind", m._process.pid, [m._owner._dir, ring._core._dir]))
+        rings.put(ring)
+        buf = ring.acquire(timeout=30)
+        buf.fill(7)
+        ring.publish(buf, timeout=30)
+        results.put(("published", os.getpid()))
+        control.get(timeout=60)  # killed here
+
+
+def consume_until_error(rings, results) -> None:
+    ring = rings.get(timeout=30)
+    with ring.get(timeout=30) as item:
+        results.put(("got", float(item.numpy()[0, 0])))
+    started = time.monotonic()
+    try:
+        ring.get(timeout=30)
+    except Exception as exc:
+        results.put((type(exc).__name__, str(exc), time.monotonic() - started))
+    else:
+        results.put(("no error", "", 0.0))
+
+
+# -- helpers -------------------------------------------------------------------------
+
+
+def start(reap, target, *args, **kwargs):
+    proc = mp.Process(target=target, args=args, **kwargs)
+    proc.start()
+    reap.append(proc)
+    return proc
+
+
+def produce(ring, steps, first=0, timeout=30) -> None:
+    """Write ``step * 1.5`` into a slot per step and publish it with its step as meta."""
+    for step in range(first, first + steps):
+        buf = ring.acquire(timeout=timeout)
+        buf.fill(step * 1.5)
+        ring.publish(buf, {"step": step}, timeout=timeout)
+
+
+def check_in_order(seen, steps) -> None:
+    assert [seq for seq, *_ in seen] == list(steps)
+    for seq, _, value, uniform, meta in seen:
+        assert meta == {"step": seq} and value == seq * 1.5 and uniform
+
+
+# -- across processes -------------------------------------------------------------------
+
+
+def test_every_consumer_sees_every_step_in_order(manager, reap) -> None:
+    results = mp.Queue()
+    with manager.ring(SHAPE, "float32", device="cpu", slots=3, consumers=2) as ring:
+        for tag in ("a", "b"):
+            start(reap, consume_all, ring, results, tag)
+        produce(ring, 40)
+    reports = [results.get(timeout=30) for _ in range(2)]
+    assert sorted(tag for tag, *_ in reports) == ["a", "b"]
+    for _, _, seen, _, _ in reports:
+        check_in_order(seen, range(40))
+    wait_until(lambda: manager.stats()["leases"] == 0)
+
+
+def test_slots_are_mapped_once_and_reused(manager, reap) -> None:
+    results = mp.Queue()
+    with manager.ring(SHAPE, "float32", device="cpu", slots=3, consumers=1) as ring:
+        start(reap, consume_all, ring, results, "only")
+        produce(ring, 30)
+        assert ring.stats()["published"] == 30
+    _, _, seen, ptrs_per_slot, opens = results.get(timeout=30)
+    check_in_order(seen, range(30))
+    assert ptrs_per_slot == {0: 1, 1: 1, 2: 1}  # each slot: the same memory every round
+    assert opens == 3  # mapped once per slot, at registration; handoffs open nothing
+    assert manager.stats()["bytes_allocated"] == 3 * mp.GRANULARITY
+
+
+def test_producer_blocks_while_every_slot_is_held(manager, reap) -> None:
+    results, control = mp.Queue(), mp.Queue()
+    with manager.ring(SHAPE, "float32", device="cpu", slots=2, consumers=1) as ring:
+        proc = start(reap, hold_until_told, ring, results, control)
+        produce(ring, 2)
+        assert results.get(timeout=30) == ("holding", [0, 1])
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match=rf"all 2 slots .* busy .*pid\(s\) {proc.pid}"):
+            ring.acquire(timeout=0.3)
+        assert 0.25 < time.monotonic() - started < 2
+        assert ring.stats()["busy"] == 2
+        control.put("go")
+        produce(ring, 3, first=2, timeout=10)  # released: the producer goes on
+    assert results.get(timeout=30) == ("rest", 3)
+
+
+def test_fan_out_to_four_consumers(manager, reap) -> None:
+    results = mp.Queue()
+    with manager.ring(SHAPE, "float32", device="cpu", slots=4, consumers=4) as ring:
+        procs = [start(reap, consume_all, ring, results, i) for i in range(4)]
+        produce(ring, 25)
+        stats = ring.stats()
+        assert stats["registered"] == 4 and stats["consumer_pids"] == sorted(p.pid for p in procs)
+    reports = [results.get(timeout=30) for _ in range(4)]
+    assert sorted(tag for tag, *_ in reports) == [0, 1, 2, 3]
+    for _, _, seen, _, opens in reports:
+        check_in_order(seen, range(25))
+        assert opens == 4
+
+
+def test_dead_consumer_frees_its_slots(manager, reap) -> None:
+    results, victim_results = mp.Queue(), mp.Queue()  # a killed process may die holding its queue's lock
+    with manager.ring(SHAPE, "float32", device="cpu", slots=3, consumers=2) as ring:
+        victim = start(reap, hold_everything, ring, victim_results)
+        start(reap, consume_all, ring, results, "survivor")
+        produce(ring, 3)
+        for n in (1, 2, 3):
+            assert victim_results.get(timeout=30) == ("held", n)
+        with pytest.raises(TimeoutError, match=str(victim.pid)):
+            ring.acquire(timeout=0.2)
+        os.kill(victim.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        acquired = [ring.acquire(timeout=2) for _ in range(3)]  # every slot, the victim's included
+        assert time.monotonic() - killed_at < 1.0
+        assert ring.stats()["consumers"] == 1
+        for step, buf in enumerate(acquired, start=3):
+            buf.fill(step * 1.5)
+            ring.publish(buf, {"step": step}, timeout=10)
+        produce(ring, 5, first=6)
+    _, _, seen, _, _ = results.get(timeout=30)
+    check_in_order(seen, range(11))  # the survivor never missed a step
+    victim.join(timeout=10)
+    assert victim.exitcode == -signal.SIGKILL
+
+
+def test_close_ends_iteration_and_gives_slots_back(manager, reap) -> None:
+    results = mp.Queue()
+    ring = manager.ring(SHAPE, "float32", device="cpu", slots=2, consumers=1)
+    proc = start(reap, report_end, ring, results)
+    produce(ring, 5)
+    ring.close()
+    ring.close()  # idempotent
+    kind, count, first, message = results.get(timeout=30)
+    assert (kind, count, first) == ("ended", 5, 0.0)
+    assert "the producer called close()" in message
+    with pytest.raises(mp.RingClosedError, match="closed"):
+        ring.acquire(timeout=1)
+    with pytest.raises(mp.RingClosedError, match="pickle"):
+        pickle.dumps(ring)
+    proc.join(timeout=30)
+    assert proc.exitcode == 0
+    wait_until(lambda: manager.stats()["leases"] == 0)
+    del ring
+    wait_until(lambda: manager.stats()["pooled_buffers"] == 2)  # the slots are ordinary pooled memory again
+
+
+def test_manager_shutdown_closes_its_rings(reap) -> None:
+    results = mp.Queue()
+    started = None
+    with mp.Manager(release_timeout=10) as m:
+        ring = m.ring(SHAPE, "float32", device="cpu", slots=2, consumers=1)
+        proc = start(reap, report_end, ring, results)
+        produce(ring, 3)
+        started = time.monotonic()
+    # No ring.close(): shutdown closed the ring first, so the consumer gave its slot
+    # leases back at once (no wait for release_timeout, and no LeakWarning).
+    assert time.monotonic() - started < 5
+    kind, count, _, _ = results.get(timeout=30)
+    assert (kind, count) == ("ended", 3)
+    proc.join(timeout=30)
+    assert proc.exitcode == 0
+
+
+def test_late_consumer_receives_only_later_items(manager, reap) -> None:
+    results = mp.Queue()
+    with manager.ring(SHAPE, "float32", device="cpu", slots=2, consumers=1) as ring:
+        start(reap, consume_all, ring, results, "early")
+        produce(ring, 3)
+        start(reap, consume_all, ring, results, "late")
+        wait_until(lambda: ring.stats()["registered"] == 2, timeout=30)
+        produce(ring, 3, first=3)
+    reports = dict((tag, seen) for tag, _, seen, _, _ in (results.get(timeout=30) for _ in range(2)))
+    check_in_order(reports["early"], range(6))
+    check_in_order(reports["late"], range(3, 6))
+
+
+def _clean_up_after(pid: int, server_pid: int, dirs: list[str]) -> None:
+    """Remove what a SIGKILLed producer leaves: its manager server, socket dirs, shared memory."""
+    from multiprocessing import resource_tracker
+
+    try:  # the server process has nobody left to stop it
+        os.kill(server_pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for path in dirs:
+        shutil.rmtree(path, ignore_errors=True)
+    for path in glob.glob(f"/dev/shm/gpushare-{pid}-*"):  # so the resource tracker has nothing to report
+        os.unlink(path)
+        resource_tracker.unregister("/" + os.path.basename(path), "shared_memory")
+
+
+def test_producer_death_is_an_error_not_a_hang(reap) -> None:
+    rings, results, control, consumer_results = mp.Queue(), mp.Queue(), mp.Queue(), mp.Queue()
+    producer = start(reap, produce_then_wait, rings, results, control)
+    kind, server_pid, dirs = results.get(timeout=30)
+    assert kind == "left behind"
+    try:
+        start(reap, consume_until_error, rings, consumer_results)
+        assert consumer_results.get(timeout=30) == ("got", 7.0)
+        assert results.get(timeout=30) == ("published", producer.pid)
+        os.kill(producer.pid, signal.SIGKILL)
+        kind, message, waited = consumer_results.get(timeout=30)
+        assert kind == "OwnerGoneError", message
+        assert "exited without closing the ring" in message
+        assert waited < 5
+    finally:
+        producer.kill()
+        producer.join(timeout=10)
+        _clean_up_after(producer.pid, server_pid, dirs)
+
+
+# -- in this process: the API's edges ---------------------------------------------------
+
+
+def test_ring_api_edges_in_one_process(manager) -> None:
+    with pytest.raises(ValueError, match="slots"):
+        manager.ring(SHAPE, device="cpu", slots=0)
+    with pytest.raises(ValueError, match="consumers"):
+        manager.ring(SHAPE, device="cpu", consumers=-1)
+
+    with manager.ring(SHAPE, "int32", device="cpu", slots=2, consumers=1) as ring:
+        assert (ring.slots, ring.shape, ring.dtype, ring.device) == (2, SHAPE, np.dtype("int32"), "cpu")
+        with pytest.raises(TypeError, match=r"producer end.*unpickling"):
+            ring.get(timeout=1)
+        with pytest.raises(TimeoutError, match=r"1 consumer.*register"):
+            ring.publish(ring.acquire(timeout=1), timeout=0.1)
+        assert ring.stats()["free"] == 2  # the unpublished buffer was dropped: its slot is free again
+        with pytest.raises(ValueError, match="acquire"):
+            ring.publish(manager.zeros(SHAPE, "int32", device="cpu"))
+
+        consumer = pickle.loads(pickle.dumps(ring))  # a consumer end, here in the producer's process
+        assert ring.stats()["consumers"] == 1
+        buf = ring.acquire(timeout=1)
+        buf.fill(3)
+        assert ring.publish(buf, meta="first") == 0
+        with pytest.raises(mp.BufferReleasedError):
+            buf.numpy()  # published: the producer's view is gone
+        with pytest.raises(ValueError, match="already published"):
+            ring.publish(buf)
+        with consumer.get(timeout=1) as item:
+            assert (item.sequence, item.meta) == (0, "first") and item.slot in (0, 1)
+            assert int(item.numpy().sum()) == 3 * item.size
+        with pytest.raises(mp.BufferReleasedError):
+            item.numpy()  # released to the ring: the slot may be rewritten
+        with pytest.raises(TimeoutError, match="no ring item"):
+            consumer.get(timeout=0.05)
+        assert consumer.stats() == {"slots": 2, "received": 1, "held": 0, "closed": False}
+        consumer.close()
+        assert ring.stats()["consumers"] == 0
+        with pytest.raises(mp.RingClosedError, match="this consumer was closed"):
+            consumer.get(timeout=1)
+        assert ring.publish(ring.acquire(timeout=1)) == 1  # nobody registered now: free again at once
+        assert ring.stats()["free"] == 2
+    assert ring.closed
+    with pytest.raises(mp.RingClosedError):
+        ring.acquire(timeout=1)
+
+
+def test_consumers_zero_and_consumer_gc_releases(manager) -> None:
+    with manager.ring((4,), device="cpu", slots=2, consumers=0) as ring:
+        consumer = pickle.loads(pickle.dumps(ring))
+        for _ in range(2):
+            ring.publish(ring.acquire(timeout=1))
+        item = consumer.get(timeout=1)
+        consumer.get(timeout=1)  # dropped at once: garbage collection releases it
+        assert ring.stats()["busy"] == 1
+        del item
+        assert ring.stats()["busy"] == 0 and ring.stats()["free"] == 2
+
+
+# -- GPU ---------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_ring_on_gpu_in_order(manager, reap) -> None:
+    results = mp.Queue()
+    with manager.ring(SHAPE, "float32", device=0, slots=3, consumers=1) as ring:
+        assert ring.device == 0
+        start(reap, consume_all, ring, results, "gpu", device=0)
+        produce(ring, 20)
+    _, _, seen, ptrs_per_slot, _ = results.get(timeout=60)
+    check_in_order(seen, range(20))
+    assert ptrs_per_slot == {0: 1, 1: 1, 2: 1}
