@@ -141,6 +141,69 @@ FLOOR_SYSTEM = "mp.Queue"
 GPUSHARE = "gpushare"
 TORCH = "torch.multiprocessing"
 CUDA_CORE = "cuda.core IPC pool"
+PIPE_FLOOR_SYSTEM = "mp.Pipe"
+
+
+@dataclass(frozen=True)
+class Target:
+    """A goal printed next to a row: ``ratio_max`` (median / floor <= limit), ``us_max``
+    (median <= limit us) or ``rate_min`` (items per second >= limit, from a time per item)."""
+
+    kind: str
+    limit: float
+
+    def text(self, floor: str = "the floor") -> str:
+        if self.kind == "ratio_max":
+            return f"<= {self.limit:g}x {floor}"
+        if self.kind == "us_max":
+            return f"<= {self.limit:g} us"
+        return f">= {self.limit:,.0f}/s"
+
+    def met(self, cell: Cell | None, floor: Cell | None = None) -> bool | None:
+        """Whether ``cell`` meets it; None when it cannot be judged (no cell, no floor)."""
+        if cell is None or cell.median_us <= 0:
+            return None
+        if self.kind == "ratio_max":
+            if floor is None or floor.median_us <= 0:
+                return None
+            return cell.median_us / floor.median_us <= self.limit
+        if self.kind == "us_max":
+            return cell.median_us <= self.limit
+        return 1e6 / cell.median_us >= self.limit
+
+
+# ring: fan-out of one ring slot to N consumers, against the Pipe floor
+RING_SLOTS = 4
+RING_GET_TIMEOUT = 1.0  # seconds a consumer's get() waits before it checks for a stop request
+RING_TARGETS = {"1": Target("ratio_max", 1.5), "4": Target("us_max", 80.0), "8": Target("us_max", 150.0)}
+
+# throughput: pipelined handoffs to one consumer, the producer never waiting for each ack
+STREAM_SIZES = (1 * MiB, 64 * MiB)
+STREAM_WINDOW = 8  # queue systems: at most this many items put and not yet acked
+STREAM_ACK_EVERY = 4  # queue systems: the consumer acks every this many items (with its count so far)
+STREAM_COUNT = 2000  # items per timed repeat
+STREAM_COUNT_QUICK = 1000
+STREAM_WARMUP = 200
+STREAM_WARMUP_QUICK = 100
+STREAM_REPEATS = 5
+STREAM_REPEATS_QUICK = 3
+STREAM_TARGET = Target("rate_min", 30_000.0)  # gpushare, 1 MiB
+STREAM_TARGET_ROW = "1 MiB"
+STREAM_FLOOR = "mp.Queue (small tuple)"
+STREAM_TORCH = "torch.multiprocessing Queue"
+
+# kernel_read: a reduction over a mapped 1 GiB buffer against one over a local tensor
+KERNEL_SHAPE = (256 << 20,)  # float32: 1 GiB
+KERNEL_DEVICE = 0
+KERNEL_ITERS = 10
+KERNEL_ITERS_QUICK = 5
+KERNEL_WARMUP = 3
+KERNEL_WARMUP_QUICK = 2
+KERNEL_TARGET = 0.97  # the mapped buffer's read bandwidth, as a fraction of the local tensor's
+KERNEL_TIMEOUT = 300.0  # seconds for the consumer's whole measurement
+KERNEL_MAPPED = "x.sum() on the mapped buffer"
+KERNEL_LOCAL = "x.sum() on a local tensor"
+KERNEL_SYSTEMS = (KERNEL_MAPPED, KERNEL_LOCAL)
 
 
 class BenchError(RuntimeError):
@@ -352,6 +415,209 @@ def _pipe_consumer(conn: Any) -> None:
         conn.send(1)
 
 
+def _send_quiet(conn: Any, message: Any) -> None:
+    with contextlib.suppress(Exception):
+        conn.send(message)
+
+
+def _parent_gone() -> bool:
+    import multiprocessing
+
+    parent = multiprocessing.parent_process()
+    return parent is not None and not parent.is_alive()
+
+
+def _stop_requested(conn: Any) -> bool:
+    """True when the producer sent the stop sentinel (None) or is gone."""
+    try:
+        if conn.poll(0):
+            return conn.recv() is None
+    except (EOFError, OSError):
+        return True
+    return _parent_gone()
+
+
+def _ring_consumer(ring: Any, conn: Any, checkpoints: Sequence[int] | None = None) -> None:
+    """Get ring items until the ring closes; touch each (``item.ptr``), release it, then ack on ``conn``.
+
+    The ring registered this consumer when it was unpickled (as this process's argument),
+    before this function runs. ``checkpoints`` None: ack every item with 1, exactly like the
+    Pipe floor's consumer (the fan-out pattern). Otherwise ack only when the number of items
+    received reaches one of the ``checkpoints`` (sending that count): the pipelined pattern.
+    """
+    gpushare = _gpushare()
+    try:
+        if ring.closed:
+            ring.get(timeout=0)  # raises the reason the registration failed
+        conn.send(("ready", os.getpid()))
+    except BaseException as exc:
+        _send_quiet(conn, ("error", f"ring consumer could not register: {type(exc).__name__}: {exc}"))
+        return
+    marks = None if checkpoints is None else frozenset(checkpoints)
+    count = 0
+    while True:
+        try:
+            item = ring.get(timeout=RING_GET_TIMEOUT)
+        except gpushare.RingClosedError:
+            return
+        except TimeoutError:
+            if _stop_requested(conn):
+                return
+            continue
+        except BaseException as exc:
+            _send_quiet(conn, ("error", f"ring consumer could not get an item: {type(exc).__name__}: {exc}"))
+            return
+        try:
+            _ = item.ptr
+            item.release()
+        except BaseException as exc:
+            _send_quiet(conn, ("error", f"ring consumer failed: {type(exc).__name__}: {exc}"))
+            return
+        del item
+        count += 1
+        try:
+            if marks is None:
+                conn.send(1)
+            elif count in marks:
+                conn.send(count)
+        except (OSError, EOFError):
+            return  # the producer is gone
+
+
+def _stream_consumer(kind: str, work: Any, conn: Any, device: int | None, ack_every: int) -> None:
+    """Get items from ``work`` until None; touch each one; every ``ack_every`` items send the count so far."""
+    try:
+        _consumer_setup(kind, device)
+        touch = _TOUCH[kind]
+    except BaseException as exc:
+        _send_quiet(conn, ("error", f"consumer setup failed: {type(exc).__name__}: {exc}"))
+        return
+    _send_quiet(conn, ("ready", os.getpid()))
+    count = 0
+    while True:
+        try:
+            item = work.get(timeout=RING_GET_TIMEOUT)
+        except queue.Empty:
+            if _stop_requested(conn):
+                return
+            continue
+        except BaseException as exc:
+            _send_quiet(conn, ("error", f"consumer could not receive the item: {type(exc).__name__}: {exc}"))
+            return
+        if item is None:
+            return
+        try:
+            touch(item)
+        except BaseException as exc:
+            _send_quiet(conn, ("error", f"consumer failed: {type(exc).__name__}: {exc}"))
+            return
+        del item
+        count += 1
+        if count % ack_every == 0:
+            try:
+                conn.send(count)
+            except (OSError, EOFError):
+                return
+
+
+def _kernel_read_consumer(work: Any, results: Any, device: int, warmup: int, iters: int) -> None:
+    """Get one buffer at a time (until None), time ``x.sum()`` on it and on a local tensor, answer.
+
+    Every answer comes after the tensors are dropped and the buffer is released.
+    """
+    try:
+        import torch
+
+        torch.cuda.set_device(device)
+        torch.cuda.init()
+    except BaseException as exc:
+        results.put(("error", f"consumer setup failed: {type(exc).__name__}: {exc}"))
+        return
+    results.put(("ready", os.getpid()))
+    while True:
+        try:
+            buf = work.get()  # unpickling maps the memory
+        except BaseException as exc:
+            results.put(("error", f"consumer could not receive the buffer: {type(exc).__name__}: {exc}"))
+            return
+        if buf is None:
+            return
+        reply: Any
+        try:
+            reply = ("result", _kernel_read_measure(torch, buf, warmup, iters))
+        except BaseException as exc:
+            reply = ("error", f"consumer failed: {type(exc).__name__}: {exc}")
+        finally:
+            gc.collect()  # the DLPack tensor holds its own reference: drop it before the release
+            with contextlib.suppress(Exception):
+                buf.release()
+        del buf
+        gc.collect()
+        with contextlib.suppress(Exception):
+            torch.cuda.empty_cache()
+        results.put(reply)
+
+
+def _kernel_read_measure(torch: Any, buf: Any, warmup: int, iters: int) -> dict[str, Any]:
+    """``x.sum()`` times (ns) on the mapped buffer and on a local tensor, interleaved, CUDA events."""
+    home = buf.device
+    if not isinstance(home, int):
+        raise BenchError(f"the buffer arrived as {home!r}, not as memory of a CUDA device")
+    dev = torch.device("cuda", home)
+    mapped = torch.from_dlpack(buf)
+    if mapped.device != dev or mapped.data_ptr() != buf.ptr:
+        raise BenchError(
+            f"torch.from_dlpack did not view the mapped buffer (tensor on {mapped.device} at "
+            f"{mapped.data_ptr():#x}, buffer on cuda:{home} at {buf.ptr:#x})"
+        )
+    if mapped.dtype != torch.float32 or tuple(mapped.shape) != tuple(buf.shape):
+        raise BenchError(
+            f"torch.from_dlpack gave {mapped.dtype} {tuple(mapped.shape)} for a float32 {tuple(buf.shape)} buffer"
+        )
+    local = torch.empty_like(mapped)  # allocated by this process, by torch's caching allocator
+    local.fill_(1.0)
+    tensors = {KERNEL_MAPPED: mapped, KERNEL_LOCAL: local}
+    stream = torch.cuda.current_stream(dev)
+    sums: dict[str, float] = {}
+
+    def timed(name: str, tensor: Any) -> tuple[int, int]:
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(dev)
+        t0 = time.perf_counter_ns()
+        start.record(stream)
+        total = tensor.sum()
+        end.record(stream)
+        torch.cuda.synchronize(dev)
+        wall = time.perf_counter_ns() - t0
+        sums[name] = float(total.item())
+        return round(start.elapsed_time(end) * 1e6), wall
+
+    events: dict[str, list[int]] = {name: [] for name in tensors}
+    walls: dict[str, list[int]] = {name: [] for name in tensors}
+    for _ in range(warmup):
+        for name, tensor in tensors.items():
+            timed(name, tensor)
+    for _ in range(iters):
+        for name, tensor in tensors.items():
+            event_ns, wall_ns = timed(name, tensor)
+            events[name].append(event_ns)
+            walls[name].append(wall_ns)
+    # Both hold 1.0 everywhere (the producer's fill, and this process's): the sums read real memory.
+    numel = float(mapped.numel())
+    for name, value in sums.items():
+        if not abs(value - numel) <= 1e-3 * numel:
+            raise BenchError(f"{name}: sum {value!r}, expected about {numel:.0f} (a 1.0 fill)")
+    info: dict[str, Any] = {
+        "backend": str(getattr(buf, "backend", "?")),
+        "nbytes": int(buf.nbytes),
+        "device": f"cuda:{home}",
+        "sums": sums,
+    }
+    del tensors, mapped, local
+    return {"events_ns": events, "wall_ns": walls, "info": info}
+
+
 # ---------------------------------------------------------------------------
 # Optional peers
 # ---------------------------------------------------------------------------
@@ -431,12 +697,16 @@ class Scenario:
     extra_ratios: list[tuple[str, str]] = field(default_factory=list)  # (numerator, denominator) systems
     notes: list[str] = field(default_factory=list)
     plot: bool = True
-    kind: str = "latency"  # "latency" (us per iteration) or "throughput" (peer_read: GB/s per copy)
-    throughput_bytes: int = 0  # bytes one copy moves, for "throughput"
+    # "latency" (us per iteration), "throughput" (peer_read: GB/s per copy), "rate" (items/s, from a
+    # time per item) or "kernel" (kernel_read: GB/s per x.sum())
+    kind: str = "latency"
+    throughput_bytes: int = 0  # bytes one copy (or one x.sum()) moves, for "throughput" and "kernel"
     skipped: str | None = None  # the whole scenario cannot run here
     row_skips: dict[str, str] = field(default_factory=dict)  # rows that fill several systems at once
     row_errors: dict[str, str] = field(default_factory=dict)
     details: dict[str, Any] = field(default_factory=dict)  # extra facts per row, for the JSON
+    targets: dict[str, Target] = field(default_factory=dict)  # per row: the goal printed next to it
+    target_systems: list[str] | None = None  # systems judged against the targets; None: all of them
 
 
 #: What a cell's run returns: samples in ns for its system, or samples per system of its row.
@@ -484,6 +754,8 @@ def _time_loop(
 
 def _check_ack(ack: Any) -> None:
     if ack != 1:
+        if isinstance(ack, tuple) and len(ack) == 2 and ack[0] == "error":
+            raise BenchError(f"a consumer failed: {ack[1]}")
         raise BenchError(f"a consumer sent {ack!r} instead of an ack")
 
 
@@ -511,6 +783,29 @@ def _wait_pipe(conn: Any, procs: list[Any]) -> None:
         _check_alive(procs)
         if time.monotonic() > deadline:
             raise BenchError(f"no ack from a consumer within {ACK_TIMEOUT:g} s")
+
+
+def _recv_pipe(conn: Any, procs: list[Any]) -> Any:
+    """The next message on ``conn`` (bounded wait); a consumer's ("error", text) fails the cell."""
+    _wait_pipe(conn, procs)
+    message = conn.recv()
+    if isinstance(message, tuple) and len(message) == 2 and message[0] == "error":
+        raise BenchError(f"a consumer failed: {message[1]}")
+    return message
+
+
+def _pipes_poll(conns: Sequence[Any]) -> Callable[[float], Any]:
+    """A poll for _await_ready over one Pipe end per consumer (one "ready" each)."""
+    pending = list(conns)
+
+    def poll(timeout: float) -> Any:
+        for conn in list(pending):
+            if conn.poll(timeout / max(1, len(pending))):
+                pending.remove(conn)
+                return conn.recv()
+        return None
+
+    return poll
 
 
 def _await_ready(poll: Callable[[float], Any], procs: list[Any], n: int) -> None:
@@ -590,6 +885,11 @@ class Config:
     backends: tuple[str, ...] = CUDA_BACKENDS  # gpushare CUDA backends, one column each
     peer_iters: int = PEER_ITERS
     peer_warmup: int = PEER_WARMUP
+    stream_count: int = STREAM_COUNT
+    stream_warmup: int = STREAM_WARMUP
+    stream_repeats: int = STREAM_REPEATS
+    kernel_iters: int = KERNEL_ITERS
+    kernel_warmup: int = KERNEL_WARMUP
 
 
 class Bench:
@@ -727,6 +1027,64 @@ class Bench:
                 task(key, TORCH, str(n), _bind(self.torch_handoff, n, fresh), torch_skip)
                 task(key, CUDA_CORE, str(n), _bind(self.cuda_core_handoff, n, fresh), core_skip)
 
+        if add(
+            Scenario(
+                "ring",
+                f"Ring fan-out: a {RING_SLOTS}-slot ring of 1 MiB buffers to N consumers, wait for every ack",
+                "consumers",
+                rows,
+                floor=(FLOOR_SCENARIO, PIPE_FLOOR_SYSTEM),
+                targets={row: target for row, target in RING_TARGETS.items() if row in rows},
+            )
+        ):
+            self.scenarios["ring"].notes.append(
+                f"gpushare columns: one per backend (`manager.ring(..., backend=name)`, {RING_SLOTS} slots, "
+                "made once per cell). One iteration: `ring.acquire()`, `ring.publish()`, then one ack from "
+                "every consumer on its own `multiprocessing.Pipe` (each consumer `ring.get()`, `item.ptr`, "
+                "`item.release()`, then acks), so the floor is the Pipe floor: the same acks, with the "
+                "small tuple sent down each Pipe instead of the ring's publish."
+            )
+            for n in cfg.consumers:
+                for label, backend, device, skip in gs_columns:
+                    task("ring", label, str(n), _bind(self.ring_fanout, n, backend, device), skip)
+
+        stream_rows = [_size_label(size) for size in STREAM_SIZES]
+        gs_stream = [f"{label} {how}" for label, *_ in gs_columns for how in ("ring", "Queue")]
+        if add(
+            Scenario(
+                "throughput",
+                "Pipelined handoffs to one consumer: items per second, the producer never waiting for each ack",
+                "size",
+                stream_rows,
+                floor=None,
+                plot=False,
+                kind="rate",
+                targets={STREAM_TARGET_ROW: STREAM_TARGET} if STREAM_TARGET_ROW in stream_rows else {},
+                target_systems=gs_stream,
+            )
+        ):
+            self.scenarios["throughput"].notes.append(
+                f"ring: {RING_SLOTS} slots, the producer acquires and publishes as fast as the slots come back, "
+                "the consumer gets, touches (`item.ptr`) and releases. Queue columns (the same recycled "
+                f"buffer or tensor, or the small tuple, put again and again): at most {STREAM_WINDOW} items "
+                f"put and not yet acked; the consumer gets, touches, lets go, and acks every "
+                f"{STREAM_ACK_EVERY} items on a Pipe. Items/s is the median over the timed repeats (in "
+                "parentheses: the 10th percentile)."
+            )
+            for size in STREAM_SIZES:
+                row = _size_label(size)
+                task("throughput", STREAM_FLOOR, row, self.stream_floor, None)
+                for label, backend, device, skip in gs_columns:
+                    task("throughput", f"{label} ring", row, _bind(self.stream_ring, size, backend, device), skip)
+                    task(
+                        "throughput",
+                        f"{label} Queue",
+                        row,
+                        _bind(self.stream_gpushare_queue, size, backend, device),
+                        skip,
+                    )
+                task("throughput", STREAM_TORCH, row, _bind(self.stream_torch, size), torch_skip)
+
         sizes = [2 * MiB, 64 * MiB] + ([GiB] if cfg.backend == "cuda" else [])
         if add(
             Scenario(
@@ -763,6 +1121,26 @@ class Bench:
                     scenario.systems[system] = Series()
                 for backend in cfg.backends:
                     task("peer_read", None, backend, _bind(self.peer_read, backend), None)
+
+        if add(
+            Scenario(
+                "kernel_read",
+                f"Kernel read: x.sum() over a 1 GiB buffer mapped from the producer, same GPU (cuda:{KERNEL_DEVICE})",
+                "backend",
+                list(cfg.backends),
+                floor=None,
+                plot=False,
+                kind="kernel",
+                throughput_bytes=math.prod(KERNEL_SHAPE) * 4,
+            )
+        ):
+            scenario = self.scenarios["kernel_read"]
+            scenario.skipped = self.kernel_read_skip()
+            if scenario.skipped is None:
+                for system in KERNEL_SYSTEMS:
+                    scenario.systems[system] = Series()
+                for backend in cfg.backends:
+                    task("kernel_read", None, backend, _bind(self.kernel_read, backend), None)
 
         host_rows = [str(n) for n in cfg.host_consumers]
         if add(
@@ -813,6 +1191,14 @@ class Bench:
             return f"torch.cuda failed: {type(exc).__name__}: {exc}"
         if count <= PEER_DEVICE:
             return f"torch sees {count} CUDA device(s); the consumer needs cuda:{PEER_DEVICE}"
+        return None
+
+    def kernel_read_skip(self) -> str | None:
+        reason = self.torch_skip()  # includes "no GPU" and "host backend"
+        if reason is not None:
+            return reason
+        if self.gpu_count and self.gpu_count <= KERNEL_DEVICE:
+            return f"needs cuda:{KERNEL_DEVICE}; this machine has {self.gpu_count} GPU(s)"
         return None
 
     def cuda_core_skip(self) -> str | None:
@@ -887,16 +1273,7 @@ class Bench:
                 p.start()
             for _, b in pairs:
                 b.close()  # the children hold their ends now
-            pending = list(mine)
-
-            def poll(timeout: float) -> Any:
-                for conn in list(pending):
-                    if conn.poll(timeout / max(1, len(pending))):
-                        pending.remove(conn)
-                        return conn.recv()
-                return None
-
-            _await_ready(poll, procs, n)
+            _await_ready(_pipes_poll(mine), procs, n)
             message = ("job", 0, b"x" * 16)
 
             def step(i: int) -> None:
@@ -1088,33 +1465,7 @@ class Bench:
         finally:
             buf.release()
             self._settle_and_trim(scenario, backend)
-        if not (isinstance(reply, tuple) and len(reply) == 2 and reply[0] == "result"):
-            detail = reply[1] if isinstance(reply, tuple) and len(reply) == 2 else repr(reply)
-            raise BenchError(f"the consumer did not measure: {detail}")
-        data = reply[1]
-        events: dict[str, list[int]] = data["events_ns"]
-        walls: dict[str, list[int]] = data["wall_ns"]
-        info: dict[str, Any] = dict(data.get("info") or {})
-        # Events bracket the copy on the destination's stream. If they ever read far below the
-        # wall clock around synchronize (a torch that orders streams differently), trust the clock.
-        chosen: dict[str, list[int]] = {}
-        clocks: dict[str, str] = {}
-        for system in PEER_SYSTEMS:
-            event_median = float(np.median(events[system]))
-            wall_median = float(np.median(walls[system]))
-            info.setdefault("wall_median_us", {})[system] = round(wall_median / 1000.0, 2)
-            info.setdefault("event_median_us", {})[system] = round(event_median / 1000.0, 2)
-            if event_median > 0 and event_median >= 0.5 * wall_median:
-                chosen[system], clocks[system] = events[system], "cuda events"
-            else:
-                chosen[system], clocks[system] = walls[system], "perf_counter around synchronize"
-                scenario.notes.append(
-                    f"{backend}, {system}: CUDA events ({event_median / 1000:.0f} us) disagreed with the wall "
-                    f"clock ({wall_median / 1000:.0f} us); the wall clock is reported."
-                )
-        info["clock"] = clocks
-        scenario.details[backend] = info
-        return chosen
+        return _pick_clock(scenario, backend, reply, PEER_SYSTEMS)
 
     def _settle_and_trim(self, scenario: Scenario, backend: str) -> None:
         """Wait (bounded) for outstanding leases, then free the pool: 1 GiB per backend adds up."""
@@ -1167,6 +1518,244 @@ class Bench:
             return src
 
         return self.queue_fanout(multiprocessing.get_context("spawn"), n, "numpy", produce, heavy=True)
+
+    # -- ring -----------------------------------------------------------------------------
+    def ring_fanout(self, n: int, backend: str, device: int | str) -> list[int]:
+        """One iteration: acquire a slot, publish it to N consumers, wait for N acks (one Pipe each)."""
+        import multiprocessing
+
+        gpushare = _gpushare()
+        m = self.manager()
+        cfg = self.cfg
+        # BackendUnavailableError here, before any consumer starts.
+        ring = m.ring(HANDOFF_SHAPE, "float32", device=device, slots=RING_SLOTS, consumers=n, backend=backend)
+        pairs: list[tuple[Any, Any]] = []
+        procs: list[Any] = []
+        try:
+            ctx = gpushare.get_context("spawn")
+            pairs = [multiprocessing.get_context("spawn").Pipe() for _ in range(n)]
+            mine = [a for a, _ in pairs]
+            procs = [
+                ctx.Process(target=_ring_consumer, args=(ring, b, None), daemon=True, device=device) for _, b in pairs
+            ]
+
+            def send_stop() -> None:
+                with contextlib.suppress(Exception):
+                    ring.close()  # each consumer's get() raises RingClosedError
+                for conn in mine:
+                    with contextlib.suppress(Exception):
+                        conn.send(None)
+
+            try:
+                for p in procs:
+                    p.start()  # unpickling the ring in the child registers one consumer
+                for _, b in pairs:
+                    b.close()  # the children hold their ends now
+                _await_ready(_pipes_poll(mine), procs, n)
+
+                def step(i: int) -> None:
+                    buf = ring.acquire(timeout=ACK_TIMEOUT)
+                    ring.publish(buf, timeout=ACK_TIMEOUT)
+                    for conn in mine:
+                        _wait_pipe(conn, procs)
+                        _check_ack(conn.recv())
+
+                return _time_loop(step, cfg.warmup, cfg.iters)
+            finally:
+                _stop(procs, send_stop)
+        finally:
+            with contextlib.suppress(Exception):
+                ring.close()
+            for a, b in pairs:
+                for conn in (a, b):
+                    with contextlib.suppress(Exception):
+                        conn.close()
+
+    # -- throughput -------------------------------------------------------------------------
+    def _stream_timing(self, pump: Callable[[int], None]) -> list[int]:
+        """``pump(warmup)``, then ``repeats`` timed ``pump(count)``: one sample (ns per item) per repeat."""
+        cfg = self.cfg
+        pump(cfg.stream_warmup)
+        samples: list[int] = []
+        clock = time.perf_counter_ns
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            for _ in range(cfg.stream_repeats):
+                t0 = clock()
+                pump(cfg.stream_count)
+                samples.append(max(1, (clock() - t0) // cfg.stream_count))
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+        return samples
+
+    def stream_ring(self, nbytes: int, backend: str, device: int | str) -> list[int]:
+        """Acquire/publish as fast as the ring's back-pressure allows; the consumer acks only at checkpoints."""
+        import multiprocessing
+
+        gpushare = _gpushare()
+        m = self.manager()
+        cfg = self.cfg
+        # BackendUnavailableError here, before the consumer starts.
+        ring = m.ring((nbytes // 4,), "float32", device=device, slots=RING_SLOTS, consumers=1, backend=backend)
+        parent, child = multiprocessing.get_context("spawn").Pipe()
+        try:
+            marks = [cfg.stream_warmup + k * cfg.stream_count for k in range(cfg.stream_repeats + 1)]
+            proc = gpushare.get_context("spawn").Process(
+                target=_ring_consumer, args=(ring, child, marks), daemon=True, device=device
+            )
+            published = 0
+
+            def pump(total: int) -> None:
+                nonlocal published
+                for _ in range(total):
+                    buf = ring.acquire(timeout=ACK_TIMEOUT)
+                    ring.publish(buf, timeout=ACK_TIMEOUT)
+                published += total
+                got = _recv_pipe(parent, [proc])
+                if got != published:
+                    raise BenchError(f"the consumer counted {got!r} items; {published} were published")
+
+            def send_stop() -> None:
+                with contextlib.suppress(Exception):
+                    ring.close()
+                parent.send(None)
+
+            try:
+                proc.start()
+                child.close()
+                _await_ready(_pipes_poll([parent]), [proc], 1)
+                return self._stream_timing(pump)
+            finally:
+                _stop([proc], send_stop)
+        finally:
+            with contextlib.suppress(Exception):
+                ring.close()
+            for conn in (parent, child):
+                with contextlib.suppress(Exception):
+                    conn.close()
+
+    def stream_queue(
+        self,
+        ctx: Any,
+        kind: str,
+        item: Any,
+        *,
+        device: int | None = None,
+        process_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """Put ``item`` again and again with at most STREAM_WINDOW un-acked; the consumer acks every
+        STREAM_ACK_EVERY items (with its count so far) on a Pipe."""
+        import multiprocessing
+
+        cfg = self.cfg
+        if cfg.stream_warmup % STREAM_ACK_EVERY or cfg.stream_count % STREAM_ACK_EVERY:
+            raise BenchError(f"item counts must be multiples of {STREAM_ACK_EVERY} (the consumer's ack interval)")
+        work = ctx.Queue()
+        parent, child = multiprocessing.get_context("spawn").Pipe()
+        proc = ctx.Process(
+            target=_stream_consumer,
+            args=(kind, work, child, device, STREAM_ACK_EVERY),
+            daemon=True,
+            **(process_kwargs or {}),
+        )
+        put = acked = 0
+
+        def take_ack() -> None:
+            nonlocal acked
+            got = _recv_pipe(parent, [proc])
+            if not isinstance(got, int) or got <= acked or got > put:
+                raise BenchError(f"the consumer sent {got!r}; expected a count above {acked} and at most {put}")
+            acked = got
+
+        def pump(total: int) -> None:
+            nonlocal put
+            target = put + total
+            while put < target:
+                while put - acked >= STREAM_WINDOW:
+                    take_ack()
+                work.put(item)
+                put += 1
+            while acked < target:
+                take_ack()
+
+        try:
+            proc.start()
+            child.close()
+            _await_ready(_pipes_poll([parent]), [proc], 1)
+            return self._stream_timing(pump)
+        finally:
+            _stop([proc], lambda: work.put(None), [work])
+            for conn in (parent, child):
+                with contextlib.suppress(Exception):
+                    conn.close()
+
+    def stream_gpushare_queue(self, nbytes: int, backend: str, device: int | str) -> list[int]:
+        gpushare = _gpushare()
+
+        m = self.manager()
+        # BackendUnavailableError here, before the consumer starts.
+        buf = m.zeros((nbytes // 4,), "float32", device=device, backend=backend)
+        try:
+            return self.stream_queue(gpushare.get_context("spawn"), "gpushare", buf, process_kwargs={"device": device})
+        finally:
+            buf.release()
+
+    def stream_torch(self, nbytes: int) -> list[int]:
+        import torch
+        import torch.multiprocessing as tmp
+
+        device = self.device or 0
+        keep = torch.zeros((nbytes // 4,), dtype=torch.float32, device=torch.device("cuda", device))
+        torch.cuda.synchronize(device)
+        try:
+            return self.stream_queue(tmp.get_context("spawn"), "torch", keep, device=device)
+        finally:
+            del keep
+            with contextlib.suppress(Exception):
+                torch.cuda.ipc_collect()
+
+    def stream_floor(self) -> list[int]:
+        import multiprocessing
+
+        return self.stream_queue(multiprocessing.get_context("spawn"), "plain", ("job", 0, b"x" * 16))
+
+    # -- kernel_read --------------------------------------------------------------------------
+    def kernel_read(self, backend: str) -> dict[str, list[int]]:
+        """``x.sum()`` times (ns) per system of ``kernel_read`` for one backend, from one consumer on the same GPU."""
+        from . import _cuda
+
+        gpushare = _gpushare()
+        m = self.manager()
+        cfg = self.cfg
+        scenario = self.scenarios["kernel_read"]
+        # BackendUnavailableError here, before the consumer starts.
+        buf = m.empty(KERNEL_SHAPE, "float32", device=KERNEL_DEVICE, backend=backend)
+        reply: Any = None
+        try:
+            buf.fill(1.0)
+            _cuda.synchronize(KERNEL_DEVICE)  # the fill is on the device before another process reads it
+            ctx = gpushare.get_context("spawn")
+            work = ctx.Queue()
+            results = ctx.Queue()
+            proc = ctx.Process(
+                target=_kernel_read_consumer,
+                args=(work, results, KERNEL_DEVICE, cfg.kernel_warmup, cfg.kernel_iters),
+                daemon=True,
+                device=KERNEL_DEVICE,
+            )
+            try:
+                proc.start()
+                _await_ready(_queue_poll(results), [proc], 1)
+                work.put(buf)
+                reply = _get_ack(results, [proc], timeout=KERNEL_TIMEOUT)
+            finally:
+                _stop([proc], lambda: work.put(None), [work, results])  # joins with a timeout
+        finally:
+            buf.release()
+            self._settle_and_trim(scenario, backend)
+        return _pick_clock(scenario, backend, reply, KERNEL_SYSTEMS)
 
     # -- peers ---------------------------------------------------------------------------
     def torch_handoff(self, n: int, fresh: bool) -> list[int]:
@@ -1235,6 +1824,39 @@ class Bench:
                 mr.close()
 
 
+def _pick_clock(scenario: Scenario, backend: str, reply: Any, systems: Sequence[str]) -> dict[str, list[int]]:
+    """The samples (ns) per system from a bandwidth consumer's ("result", data) reply.
+
+    Events bracket the operation on its stream. If they ever read far below the wall clock
+    around synchronize (a torch that orders streams differently), the wall clock is trusted.
+    """
+    if not (isinstance(reply, tuple) and len(reply) == 2 and reply[0] == "result"):
+        detail = reply[1] if isinstance(reply, tuple) and len(reply) == 2 else repr(reply)
+        raise BenchError(f"the consumer did not measure: {detail}")
+    data = reply[1]
+    events: dict[str, list[int]] = data["events_ns"]
+    walls: dict[str, list[int]] = data["wall_ns"]
+    info: dict[str, Any] = dict(data.get("info") or {})
+    chosen: dict[str, list[int]] = {}
+    clocks: dict[str, str] = {}
+    for system in systems:
+        event_median = float(np.median(events[system]))
+        wall_median = float(np.median(walls[system]))
+        info.setdefault("wall_median_us", {})[system] = round(wall_median / 1000.0, 2)
+        info.setdefault("event_median_us", {})[system] = round(event_median / 1000.0, 2)
+        if event_median > 0 and event_median >= 0.5 * wall_median:
+            chosen[system], clocks[system] = events[system], "cuda events"
+        else:
+            chosen[system], clocks[system] = walls[system], "perf_counter around synchronize"
+            scenario.notes.append(
+                f"{backend}, {system}: CUDA events ({event_median / 1000:.0f} us) disagreed with the wall "
+                f"clock ({wall_median / 1000:.0f} us); the wall clock is reported."
+            )
+    info["clock"] = clocks
+    scenario.details[backend] = info
+    return chosen
+
+
 def _bind(fn: Callable[..., Samples], *args: Any) -> Callable[[], Samples]:
     return lambda: fn(*args)
 
@@ -1252,6 +1874,11 @@ def _record(scenario: Scenario, series: Series | None, row: str, samples: Sample
         raise BenchError("a task that fills several systems must return samples per system")
     cell = Cell.of(samples)
     series.cells[row] = cell
+    if scenario.kind == "rate":
+        return (
+            f"{_fmt_rate(_rate(cell))} items/s ({cell.median_us:.1f} us per item; median of {cell.n} repeats, "
+            f"{took:.1f} s)"
+        )
     return f"median {cell.median_us:.1f} us, p90 {cell.p90_us:.1f} us ({cell.n} iters, {took:.1f} s)"
 
 
@@ -1490,15 +2117,23 @@ def _render_scenario(scenarios: dict[str, Scenario], scenario: Scenario) -> list
         return [f"## {scenario.title}", "", f"`{scenario.key}`: skipped: {scenario.skipped}", ""]
     if scenario.kind == "throughput":
         return [f"## {scenario.title}", "", *_render_peer_read(scenario)]
+    if scenario.kind == "kernel":
+        return [f"## {scenario.title}", "", *_render_kernel_read(scenario)]
+    if scenario.kind == "rate":
+        return [f"## {scenario.title}", "", *_render_rate(scenario)]
     systems = [name for name, s in scenario.systems.items() if s.skipped is None]
     wanted = scenario.ratio_systems
     ratio_systems = [n for n in systems if scenario.floor is not None and (wanted is None or n in wanted)]
+    judged = _judged(scenario, systems)
     header = [scenario.row_label]
     if scenario.floor is not None:
-        header.append("floor (mp.Queue)")
+        header.append(f"floor ({scenario.floor[1]})")
     header += systems
     header += [f"{name} / floor" for name in ratio_systems]
     header += [f"{a} / {b}" for a, b in scenario.extra_ratios]
+    if scenario.targets:
+        header.append("target")
+        header += [f"{name}: target" for name in judged]
     out = [f"## {scenario.title}", "", f"`{scenario.key}`: median us (p90 us)", ""]
     out.append("| " + " | ".join(header) + " |")
     out.append("|" + "|".join("---" for _ in header) + "|")
@@ -1512,25 +2147,164 @@ def _render_scenario(scenarios: dict[str, Scenario], scenario: Scenario) -> list
         for a, b in scenario.extra_ratios:
             sa, sb = scenario.systems.get(a), scenario.systems.get(b)
             cells.append(_ratio(sa.cells.get(row) if sa else None, sb.cells.get(row) if sb else None))
+        if scenario.targets:
+            target = scenario.targets.get(row)
+            cells.append("-" if target is None else target.text("floor"))
+            for name in judged:
+                met = None if target is None else target.met(scenario.systems[name].cells.get(row), floor)
+                cells.append(_met_text(met))
         out.append("| " + " | ".join(cells) + " |")
     out.append("")
+    if scenario.targets and scenario.floor is not None:
+        goals = "; ".join(
+            f"{scenario.row_label} {row}: {target.text(f'the {scenario.floor[1]} floor')}"
+            for row, target in scenario.targets.items()
+        )
+        out.append(f"- Targets (median): {goals}.")
+    return _with_trailer(out, scenario)
+
+
+def _with_trailer(out: list[str], scenario: Scenario) -> list[str]:
+    """``out`` followed by the skipped columns, errors and notes, ending with a blank line."""
+    out = list(out)
     for name, series in scenario.systems.items():
         if series.skipped is not None:
             out.append(f"- {name}: skipped: {series.skipped}")
         for row, error in series.errors.items():
             out.append(f"- {name}, {scenario.row_label} {row}: error: {error}")
+    for row, reason in scenario.row_skips.items():
+        out.append(f"- {scenario.row_label} {row}: skipped: {reason}")
+    for row, error in scenario.row_errors.items():
+        out.append(f"- {scenario.row_label} {row}: error: {error}")
     for note in scenario.notes:
         out.append(f"- {note}")
-    if out[-1] != "":
+    if not out or out[-1] != "":
         out.append("")
     return out
 
 
+def _judged(scenario: Scenario, systems: Sequence[str]) -> list[str]:
+    """The systems (among ``systems``) judged against the scenario's targets."""
+    if not scenario.targets:
+        return []
+    wanted = scenario.target_systems
+    return [name for name in systems if wanted is None or name in wanted]
+
+
+def _met_text(met: bool | None) -> str:
+    return "-" if met is None else "met" if met else "not met"
+
+
+def _rate(cell: Cell | None, p90: bool = False) -> float | None:
+    """Items per second from a cell of times per item (the p90 time gives the 10th-percentile rate)."""
+    if cell is None:
+        return None
+    us = cell.p90_us if p90 else cell.median_us
+    return None if us <= 0 else 1e6 / us
+
+
+def _fmt_rate(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.0f}"
+
+
+def _rate_floor(scenario: Scenario, row: str) -> Cell | None:
+    series = scenario.systems.get(STREAM_FLOOR)
+    return None if series is None else series.cells.get(row)
+
+
+def _render_rate(scenario: Scenario) -> list[str]:
+    systems = [name for name, s in scenario.systems.items() if s.skipped is None]
+    has_floor = STREAM_FLOOR in systems
+    others = [name for name in systems if name != STREAM_FLOOR]
+    judged = _judged(scenario, systems)
+    out = [
+        f"`{scenario.key}`: items per second, median over the timed repeats (10th percentile)"
+        + (f"; `/ floor`: that rate over the {STREAM_FLOOR} rate" if has_floor else ""),
+        "",
+    ]
+    header = [scenario.row_label, *systems]
+    if has_floor:
+        header += [f"{name} / floor" for name in others]
+    if scenario.targets:
+        header.append("target")
+        header += [f"{name}: target" for name in judged]
+    out.append("| " + " | ".join(header) + " |")
+    out.append("|" + "|".join("---" for _ in header) + "|")
+    for row in scenario.rows:
+        cells = [row]
+        for name in systems:
+            cell = scenario.systems[name].cells.get(row)
+            cells.append("-" if cell is None else f"{_fmt_rate(_rate(cell))} ({_fmt_rate(_rate(cell, p90=True))})")
+        if has_floor:
+            floor = _rate(_rate_floor(scenario, row))
+            for name in others:
+                rate = _rate(scenario.systems[name].cells.get(row))
+                cells.append("-" if rate is None or not floor else f"{rate / floor:.2f}")
+        if scenario.targets:
+            target = scenario.targets.get(row)
+            cells.append("-" if target is None else target.text())
+            for name in judged:
+                met = None if target is None else target.met(scenario.systems[name].cells.get(row))
+                cells.append(_met_text(met))
+        out.append("| " + " | ".join(cells) + " |")
+    out.append("")
+    if scenario.targets:
+        goals = "; ".join(f"{row}: {target.text()} (gpushare)" for row, target in scenario.targets.items())
+        out.append(f"- Targets (median rate): {goals}.")
+    return _with_trailer(out, scenario)
+
+
+def _kernel_row(scenario: Scenario, row: str) -> dict[str, Any]:
+    """One backend's kernel_read numbers (GB/s), the mapped/local ratio and whether it meets the target."""
+
+    def rate(system: str) -> float | None:
+        series = scenario.systems.get(system)
+        return _gbps(scenario, series.cells.get(row) if series else None)
+
+    mapped, local = rate(KERNEL_MAPPED), rate(KERNEL_LOCAL)
+    ratio = None if mapped is None or not local else mapped / local
+    return {
+        "mapped_gb_s": None if mapped is None else round(mapped, 1),
+        "local_gb_s": None if local is None else round(local, 1),
+        "ratio": None if ratio is None else round(ratio, 3),
+        "meets_target": None if ratio is None else ratio >= KERNEL_TARGET,
+    }
+
+
+def _render_kernel_read(scenario: Scenario) -> list[str]:
+    out = [
+        f"`{scenario.key}`: GB/s (bytes read once / median time of one `x.sum()`); "
+        f"target: mapped / local >= {KERNEL_TARGET:.2f}",
+        "",
+    ]
+    header = [scenario.row_label, f"{KERNEL_MAPPED} (GB/s)", f"{KERNEL_LOCAL} (GB/s)", "mapped / local", "target"]
+    out.append("| " + " | ".join(header) + " |")
+    out.append("|" + "|".join("---" for _ in header) + "|")
+    for row in scenario.rows:
+        values = _kernel_row(scenario, row)
+        ratio = values["ratio"]
+        out.append(
+            "| "
+            + " | ".join(
+                [
+                    row,
+                    _fmt_gbps(values["mapped_gb_s"]),
+                    _fmt_gbps(values["local_gb_s"]),
+                    "-" if ratio is None else f"{ratio:.3f}",
+                    _met_text(values["meets_target"]),
+                ]
+            )
+            + " |"
+        )
+    out.append("")
+    return _with_trailer(out, scenario)
+
+
 def render_json(scenarios: dict[str, Scenario], meta: dict[str, Any]) -> dict[str, Any]:
-    return {"meta": meta, "scenarios": {key: _scenario_json(s) for key, s in scenarios.items()}}
+    return {"meta": meta, "scenarios": {key: _scenario_json(scenarios, s) for key, s in scenarios.items()}}
 
 
-def _scenario_json(s: Scenario) -> dict[str, Any]:
+def _scenario_json(scenarios: dict[str, Scenario], s: Scenario) -> dict[str, Any]:
     out: dict[str, Any] = {
         "title": s.title,
         "row_label": s.row_label,
@@ -1552,6 +2326,29 @@ def _scenario_json(s: Scenario) -> dict[str, Any]:
     if s.row_skips or s.row_errors:
         out["row_skips"] = s.row_skips
         out["row_errors"] = s.row_errors
+    if s.targets:
+        out["targets"] = {row: _target_json(scenarios, s, row, target) for row, target in s.targets.items()}
+    if s.kind == "rate":
+        # The cells above are times per item (us); this is the table of the report, in items/s.
+        out["window"] = STREAM_WINDOW
+        out["ack_every"] = STREAM_ACK_EVERY
+        out["table"] = {
+            row: {
+                name: {
+                    "items_per_s": None if (r := _rate(cell)) is None else round(r, 1),
+                    "items_per_s_p10": None if (r := _rate(cell, p90=True)) is None else round(r, 1),
+                    "us_per_item": cell.median_us,
+                }
+                for name, series in s.systems.items()
+                if (cell := series.cells.get(row)) is not None
+            }
+            for row in s.rows
+        }
+    if s.kind == "kernel":
+        out["bytes_per_sum"] = s.throughput_bytes
+        out["target_ratio"] = KERNEL_TARGET
+        out["table"] = {row: _kernel_row(s, row) for row in s.rows if any(row in x.cells for x in s.systems.values())}
+        out["details"] = s.details
     if s.kind == "throughput":
         # The cells above are times of one copy (us); this is the table of the report, in GB/s.
         out["bytes_per_copy"] = s.throughput_bytes
@@ -1559,6 +2356,31 @@ def _scenario_json(s: Scenario) -> dict[str, Any]:
         out["table"] = {row: _peer_row(s, row) for row in s.rows if any(row in x.cells for x in s.systems.values())}
         out["details"] = s.details
     return out
+
+
+def _target_json(scenarios: dict[str, Scenario], s: Scenario, row: str, target: Target) -> dict[str, Any]:
+    floor = _rate_floor(s, row) if s.kind == "rate" else _floor_cell(scenarios, s, row)
+    return {
+        "kind": target.kind,
+        "limit": target.limit,
+        "text": target.text("floor"),
+        "floor": None if s.floor is None else list(s.floor),
+        "met": {
+            name: target.met(series.cells.get(row), floor)
+            for name, series in s.systems.items()
+            if series.skipped is None and (s.target_systems is None or name in s.target_systems)
+        },
+    }
+
+
+def _target_us(scenarios: dict[str, Scenario], scenario: Scenario, row: str, target: Target) -> float | None:
+    """A latency target as a time (us) to plot, or None."""
+    if target.kind == "us_max":
+        return target.limit
+    if target.kind == "ratio_max":
+        floor = _floor_cell(scenarios, scenario, row)
+        return None if floor is None else target.limit * floor.median_us
+    return None
 
 
 def render_plot(scenarios: dict[str, Scenario], meta: dict[str, Any], path: str) -> str:
@@ -1581,11 +2403,14 @@ def render_plot(scenarios: dict[str, Scenario], meta: dict[str, Any], path: str)
             xs = [int(r) for r in scenario.rows if _floor_cell(scenarios, scenario, r) is not None]
             ys = [c.median_us for r in scenario.rows if (c := _floor_cell(scenarios, scenario, r)) is not None]
             if xs:
-                ax.plot(xs, ys, "k--", marker="o", label="floor (mp.Queue, small tuple)")
+                ax.plot(xs, ys, "k--", marker="o", label=f"floor ({scenario.floor[1]}, small tuple)")
         for name, series in scenario.systems.items():
             points = [(int(r), series.cells[r].median_us) for r in scenario.rows if r in series.cells]
             if points:
                 ax.plot([x for x, _ in points], [y for _, y in points], marker="o", label=name)
+        goals = [(int(r), us) for r, t in scenario.targets.items() if (us := _target_us(scenarios, scenario, r, t))]
+        if goals:
+            ax.plot([x for x, _ in goals], [y for _, y in goals], "rv", linestyle="none", label="target (at most)")
         ax.set_title(scenario.title, fontsize=9)
         ax.set_xlabel("consumers")
         ax.set_ylabel("median latency per iteration (us)")
@@ -1608,7 +2433,17 @@ def render_plot(scenarios: dict[str, Scenario], meta: dict[str, Any], path: str)
 # Command line
 # ---------------------------------------------------------------------------
 
-SCENARIO_KEYS = ("floors", "handoff_recycled", "handoff_fresh", "first_share", "peer_read", "host")
+SCENARIO_KEYS = (
+    "floors",
+    "handoff_recycled",
+    "handoff_fresh",
+    "ring",
+    "throughput",
+    "first_share",
+    "peer_read",
+    "kernel_read",
+    "host",
+)
 
 
 def _known_cuda_backends() -> tuple[str, ...]:
@@ -1714,6 +2549,11 @@ def _parse(argv: list[str] | None) -> Config:
         backends=args.backends or _known_cuda_backends(),
         peer_iters=PEER_ITERS_QUICK if args.quick else PEER_ITERS,
         peer_warmup=PEER_WARMUP_QUICK if args.quick else PEER_WARMUP,
+        stream_count=STREAM_COUNT_QUICK if args.quick else STREAM_COUNT,
+        stream_warmup=STREAM_WARMUP_QUICK if args.quick else STREAM_WARMUP,
+        stream_repeats=STREAM_REPEATS_QUICK if args.quick else STREAM_REPEATS,
+        kernel_iters=KERNEL_ITERS_QUICK if args.quick else KERNEL_ITERS,
+        kernel_warmup=KERNEL_WARMUP_QUICK if args.quick else KERNEL_WARMUP,
     )
 
 
@@ -1730,13 +2570,32 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     bench.run()
     os.makedirs(cfg.out, exist_ok=True)
-    plot_note = render_plot(bench.scenarios, bench.meta, os.path.join(cfg.out, "benchmarks.png"))
+    try:
+        plot_note = render_plot(bench.scenarios, bench.meta, os.path.join(cfg.out, "benchmarks.png"))
+    except Exception as exc:  # a plot must never cost the measurements
+        plot_note = f"No plot: drawing it failed ({type(exc).__name__}: {exc})."
     bench.meta["elapsed_s"] = round(time.monotonic() - started, 1)
-    with open(os.path.join(cfg.out, "benchmarks.md"), "w", encoding="utf-8") as f:
-        f.write(render_markdown(bench.scenarios, bench.meta, plot_note))
+    # A report that fails to render must not lose the measurements: fall back to the raw results.
+    try:
+        report = render_json(bench.scenarios, bench.meta)
+    except Exception as exc:
+        report = {
+            "meta": bench.meta,
+            "render_error": f"{type(exc).__name__}: {exc}",
+            "scenarios": {key: asdict(s) for key, s in bench.scenarios.items()},
+        }
     with open(os.path.join(cfg.out, "benchmarks.json"), "w", encoding="utf-8") as f:
-        json.dump(render_json(bench.scenarios, bench.meta), f, indent=2)
+        json.dump(report, f, indent=2, default=str)
         f.write("\n")
+    try:
+        markdown = render_markdown(bench.scenarios, bench.meta, plot_note)
+    except Exception as exc:
+        markdown = (
+            f"# gpushare benchmarks\n\nThe report failed to render ({type(exc).__name__}: {exc}); "
+            "every measurement is in benchmarks.json.\n"
+        )
+    with open(os.path.join(cfg.out, "benchmarks.md"), "w", encoding="utf-8") as f:
+        f.write(markdown)
     _progress(f"gpushare.bench: done in {bench.meta['elapsed_s']} s; wrote {cfg.out}/benchmarks.md, .json")
     _progress(plot_note)
     return 0
