@@ -5,9 +5,10 @@ the options) measures everything below in one run and writes three files
 to ``--out`` (default ``docs``): ``benchmarks.md`` (machine, versions and
 one table per scenario: medians, p90 and ratios to the floor),
 ``benchmarks.json`` (every median, p90, mean and minimum, plus skip
-reasons and errors) and ``benchmarks.png`` (latency against the number of
-consumers, one line per system; skipped with a note when matplotlib does
-not import).
+reasons, errors and whether each target is met) and ``benchmarks.png``
+(latency against the number of consumers, one panel per fan-out scenario,
+one line per system, the ring's panel with the Pipe floor and its targets;
+skipped with a note when matplotlib does not import).
 
 gpushare is measured once per CUDA backend (``--backends``, default every
 CUDA backend: ``cuda_ipc``, ``cuda_vmm``, ``cuda_pool``), each its own
@@ -23,7 +24,8 @@ What one iteration is, per scenario (one producer, N consumer processes):
     put N times on one ``multiprocessing.Queue`` read by N consumers; each
     consumer acks (on its pipe, or on one ack queue) and the producer
     waits for every ack. No handoff can cost less than this notification,
-    so every other table is read as a ratio to the Queue floor.
+    so every other table is read as a ratio to the Queue floor (``ring``:
+    to the Pipe floor, whose acks it shares).
 ``handoff_recycled`` / ``handoff_fresh``
     The Queue-floor pattern carrying a 1 MiB buffer instead of the tuple:
     the producer puts the buffer once per consumer; a consumer gets it,
@@ -37,6 +39,31 @@ What one iteration is, per scenario (one producer, N consumer processes):
     allocates one per iteration and drops it after the acks (each
     library's pool or caching allocator recycles the memory, as it would
     in a pipeline).
+``ring``
+    Fan-out through a ring (``manager.ring(shape, "float32", device=...,
+    slots=4, consumers=N, backend=name)``, 1 MiB float32 slots), one column
+    per backend, made once per cell and passed to each consumer as its
+    Process argument (each unpickling registers one consumer). One
+    iteration: ``buf = ring.acquire()``, ``ring.publish(buf)``, then one ack
+    from every consumer, each on its own spawn-context ``multiprocessing.Pipe``
+    exactly like the Pipe floor's ack; a consumer takes the item with
+    ``ring.get()``, reads ``item.ptr``, gives it back with ``item.release()``,
+    then acks. Ratios are to the *Pipe* floor. Targets, printed per row
+    with met / not met: 1 consumer <= 1.5x the Pipe floor; 4 consumers
+    <= 80 us; 8 consumers <= 150 us.
+``throughput``
+    Pipelined handoffs per second to one consumer, the producer never
+    waiting for each ack, for a 1 MiB and a 64 MiB buffer: the ring (4 slots;
+    the producer acquires and publishes as fast as released slots allow, the
+    consumer gets, touches, releases and acks only at the end of each timed
+    repeat), gpushare through its Queue (the same recycled buffer put again
+    and again), ``torch.multiprocessing`` through its Queue (a recycled CUDA
+    tensor; GPU only) and the plain ``multiprocessing.Queue`` floor (a small
+    tuple). The Queue systems keep at most 8 items put and not yet acked;
+    their consumer acks every 4 items with its count on a Pipe. Items/s over
+    a fixed count (2000 items, 1000 with ``--quick``) after a warm-up, per
+    repeat (5, 3 with ``--quick``); the table shows the median repeat.
+    Target: gpushare >= 30,000 handoffs/s at 1 MiB.
 ``first_share``
     Time from ``m.empty()`` of a fresh allocation through one consumer
     mapping it and acking, one column per backend. Between iterations (not
@@ -58,6 +85,18 @@ What one iteration is, per scenario (one producer, N consumer processes):
     the plain tensor's rate. The consumer checks the copies hold the
     producer's fill, releases the buffer and drops its tensors before it
     answers.
+``kernel_read``
+    Only with a GPU and torch. Per backend, the producer fills a 1 GiB
+    float32 buffer on cuda:0 and sends it to one consumer on the same GPU
+    (``Process(device=0)``), which views it with ``x = torch.from_dlpack(buf)``
+    (checked to alias the mapping, float32, the buffer's shape) and times
+    ``x.sum()`` with CUDA events on the current stream, interleaved with the
+    same reduction over ``torch.empty_like(x)`` filled by the consumer
+    itself: median of 10 after 3 warm-up rounds (5 after 2 with ``--quick``).
+    Read bandwidth is bytes / median time, for both; the mapped buffer
+    should read at >= 0.97 of the local tensor's rate. Both sums are checked
+    against the 1.0 fills; the consumer drops its tensors and releases the
+    buffer before it answers.
 ``host``
     A 64 MiB float32 array on the host backend (always runs, GPU or not):
     a gpushare host buffer written in place, the same buffer refilled with
@@ -74,7 +113,10 @@ acks", with the garbage collector off in the producer while timing.
 Large transfers (64 MiB and up) run fewer iterations. A peer that cannot
 run here (not importable, no GPU, one GPU for ``peer_read``) is recorded
 as skipped with the reason; an error in one cell is recorded as that
-cell's error and the run goes on.
+cell's error and the run goes on. Every wait has a timeout: a consumer that
+dies or stops answering fails its cell, not the run. ``throughput`` times
+whole repeats (one sample per repeat: elapsed time / items) instead of
+single iterations.
 """
 
 from __future__ import annotations
@@ -788,7 +830,13 @@ def _wait_pipe(conn: Any, procs: list[Any]) -> None:
 def _recv_pipe(conn: Any, procs: list[Any]) -> Any:
     """The next message on ``conn`` (bounded wait); a consumer's ("error", text) fails the cell."""
     _wait_pipe(conn, procs)
-    message = conn.recv()
+    try:
+        message = conn.recv()
+    except (EOFError, OSError) as exc:
+        for p in procs:
+            p.join(timeout=0.5)  # a consumer that closed its end has usually exited: name it
+        _check_alive(procs)
+        raise BenchError(f"a consumer closed its pipe ({type(exc).__name__}) without answering") from None
     if isinstance(message, tuple) and len(message) == 2 and message[0] == "error":
         raise BenchError(f"a consumer failed: {message[1]}")
     return message
@@ -1065,7 +1113,7 @@ class Bench:
         ):
             self.scenarios["throughput"].notes.append(
                 f"ring: {RING_SLOTS} slots, the producer acquires and publishes as fast as the slots come back, "
-                "the consumer gets, touches (`item.ptr`) and releases. Queue columns (the same recycled "
+                "the consumer gets, touches (`item.ptr`) and releases. Queue rows (the same recycled "
                 f"buffer or tensor, or the small tuple, put again and again): at most {STREAM_WINDOW} items "
                 f"put and not yet acked; the consumer gets, touches, lets go, and acks every "
                 f"{STREAM_ACK_EVERY} items on a Pipe. Items/s is the median over the timed repeats (in "
@@ -1280,8 +1328,7 @@ class Bench:
                 for conn in mine:
                     conn.send(message)
                 for conn in mine:
-                    _wait_pipe(conn, procs)
-                    _check_ack(conn.recv())
+                    _check_ack(_recv_pipe(conn, procs))
 
             return _time_loop(step, self.cfg.warmup, self.cfg.iters)
         finally:
@@ -1557,8 +1604,7 @@ class Bench:
                     buf = ring.acquire(timeout=ACK_TIMEOUT)
                     ring.publish(buf, timeout=ACK_TIMEOUT)
                     for conn in mine:
-                        _wait_pipe(conn, procs)
-                        _check_ack(conn.recv())
+                        _check_ack(_recv_pipe(conn, procs))
 
                 return _time_loop(step, cfg.warmup, cfg.iters)
             finally:
@@ -2089,6 +2135,27 @@ def render_markdown(scenarios: dict[str, Scenario], meta: dict[str, Any], plot_n
         "allocation), measured in the same run as the peers, each with its own ratio to the floor. A backend this "
         "machine cannot run (`BackendUnavailableError`) is listed as a skipped column with the reason.",
         "",
+        f"`ring` is the same fan-out through a ring of pre-shared slots (`manager.ring(..., slots={RING_SLOTS}, "
+        "consumers=N, backend=name)`, 1 MiB float32 slots, one column per backend), made once per cell and "
+        "passed to each consumer as its Process argument (each unpickling registers one consumer). One iteration: "
+        "`buf = ring.acquire()`, `ring.publish(buf)`, then one ack from every consumer on its own "
+        "`multiprocessing.Pipe`, exactly like the Pipe floor's; each consumer `ring.get()`s the item, reads "
+        "`item.ptr`, releases it and acks. Its ratios are therefore to the **Pipe** floor (first table), and "
+        "each row shows its target (1 consumer <= 1.5x the Pipe floor, 4 consumers <= 80 us, 8 consumers <= "
+        "150 us) and whether each backend met it.",
+        "",
+        f"`throughput` counts pipelined handoffs to one consumer, the producer never waiting for each ack, for "
+        f"1 MiB and 64 MiB buffers: through the ring ({RING_SLOTS} slots; the producer acquires and publishes as "
+        "fast as released slots allow; the consumer gets, touches and releases each item and acks only at the end "
+        "of a timed repeat), through gpushare's Queue (the same recycled buffer put again and again), through "
+        "torch.multiprocessing's Queue (a recycled CUDA tensor, GPU only) and through a plain "
+        f"`multiprocessing.Queue` carrying a small tuple (the floor). The Queue systems keep at most "
+        f"{STREAM_WINDOW} items put and not yet acked; their consumer acks every {STREAM_ACK_EVERY} items with its "
+        f"count on a Pipe. After {STREAM_WARMUP} warm-up items, {STREAM_REPEATS} repeats of {STREAM_COUNT} items "
+        f"({STREAM_WARMUP_QUICK}, {STREAM_REPEATS_QUICK} and {STREAM_COUNT_QUICK} with --quick) are timed whole; "
+        "the table shows items/s of the median repeat and of the 10th percentile, and the target "
+        f"(gpushare >= {STREAM_TARGET.limit:,.0f} handoffs/s at {STREAM_TARGET_ROW}).",
+        "",
         f"`peer_read` (two GPUs and torch only) is a bandwidth test, not a handoff: per backend, the producer fills "
         f"a 1 GiB float32 buffer on cuda:{PEER_HOME} and sends it to one consumer started with "
         f"`Process(device={PEER_DEVICE})`. The consumer views it with `torch.as_tensor(buf, "
@@ -2100,6 +2167,15 @@ def render_markdown(scenarios: dict[str, Scenario], meta: dict[str, Any], plot_n
         "interleaved copy by copy with the mapped one; local copies on the memory's own GPU are shown for "
         "scale. Afterwards the consumer checks that the copies hold the producer's fill, releases the buffer and "
         "drops its tensors before answering; the producer joins it with a timeout.",
+        "",
+        f"`kernel_read` (a GPU and torch only): per backend, the producer fills a 1 GiB float32 buffer on "
+        f"cuda:{KERNEL_DEVICE} and sends it to one consumer on the same GPU, which views it with "
+        "`x = torch.from_dlpack(buf)` (checked to alias the mapping) and times `x.sum()` with CUDA events on the "
+        "current stream, interleaved with the same reduction over `torch.empty_like(x)`, filled by the consumer "
+        f"itself; median of {KERNEL_ITERS} after {KERNEL_WARMUP} warm-up rounds ({KERNEL_ITERS_QUICK} after "
+        f"{KERNEL_WARMUP_QUICK} with --quick). GB/s is bytes read once / median time; the target is mapped / local "
+        f">= {KERNEL_TARGET:.2f}. Both sums are checked against the fills, and the consumer drops its tensors and "
+        "releases the buffer before it answers.",
         "",
         "**Absolute times mean something only on a GPU machine** (and only on one like the one named above): "
         "CPU count, scheduler noise and the host-only backend change them a lot. Compare ratios to the floor, "
@@ -2213,44 +2289,36 @@ def _rate_floor(scenario: Scenario, row: str) -> Cell | None:
 
 
 def _render_rate(scenario: Scenario) -> list[str]:
+    """One row per system (the sizes are columns: the systems are many, the sizes few)."""
     systems = [name for name, s in scenario.systems.items() if s.skipped is None]
     has_floor = STREAM_FLOOR in systems
-    others = [name for name in systems if name != STREAM_FLOOR]
     judged = _judged(scenario, systems)
+    goals = [(row, target) for row, target in scenario.targets.items() if row in scenario.rows]
     out = [
         f"`{scenario.key}`: items per second, median over the timed repeats (10th percentile)"
-        + (f"; `/ floor`: that rate over the {STREAM_FLOOR} rate" if has_floor else ""),
+        + (f"; `/ floor`: that rate over the {STREAM_FLOOR} rate of the same size" if has_floor else ""),
         "",
     ]
-    header = [scenario.row_label, *systems]
+    header = ["system", *(f"{row} (items/s)" for row in scenario.rows)]
     if has_floor:
-        header += [f"{name} / floor" for name in others]
-    if scenario.targets:
-        header.append("target")
-        header += [f"{name}: target" for name in judged]
+        header += [f"{row} / floor" for row in scenario.rows]
+    header += [f"target: {target.text()} at {row}" for row, target in goals]
     out.append("| " + " | ".join(header) + " |")
     out.append("|" + "|".join("---" for _ in header) + "|")
-    for row in scenario.rows:
-        cells = [row]
-        for name in systems:
-            cell = scenario.systems[name].cells.get(row)
+    for name in systems:
+        series = scenario.systems[name]
+        cells = [f"{name} (floor)" if name == STREAM_FLOOR else name]
+        for row in scenario.rows:
+            cell = series.cells.get(row)
             cells.append("-" if cell is None else f"{_fmt_rate(_rate(cell))} ({_fmt_rate(_rate(cell, p90=True))})")
         if has_floor:
-            floor = _rate(_rate_floor(scenario, row))
-            for name in others:
-                rate = _rate(scenario.systems[name].cells.get(row))
+            for row in scenario.rows:
+                rate, floor = _rate(series.cells.get(row)), _rate(_rate_floor(scenario, row))
                 cells.append("-" if rate is None or not floor else f"{rate / floor:.2f}")
-        if scenario.targets:
-            target = scenario.targets.get(row)
-            cells.append("-" if target is None else target.text())
-            for name in judged:
-                met = None if target is None else target.met(scenario.systems[name].cells.get(row))
-                cells.append(_met_text(met))
+        for row, target in goals:
+            cells.append(_met_text(target.met(series.cells.get(row))) if name in judged else "-")
         out.append("| " + " | ".join(cells) + " |")
     out.append("")
-    if scenario.targets:
-        goals = "; ".join(f"{row}: {target.text()} (gpushare)" for row, target in scenario.targets.items())
-        out.append(f"- Targets (median rate): {goals}.")
     return _with_trailer(out, scenario)
 
 
@@ -2490,8 +2558,9 @@ def _parse(argv: list[str] | None) -> Config:
     parser = argparse.ArgumentParser(
         prog="python -m gpushare.bench",
         description="Measure gpushare's buffer handoff (one column per backend) against multiprocessing floors, "
-        "torch.multiprocessing and cuda.core, and its peer-read bandwidth on two GPUs; write benchmarks.md, "
-        "benchmarks.json and benchmarks.png.",
+        "torch.multiprocessing and cuda.core, its ring's fan-out and pipelined throughput, and the bandwidth of "
+        "kernels reading mapped memory (same GPU; peer GPU with two); write benchmarks.md, benchmarks.json and "
+        "benchmarks.png.",
     )
     parser.add_argument("--out", default="docs", help="directory for the reports (default: docs)")
     parser.add_argument("--quick", action="store_true", help="fewer iterations, for smoke and CI runs")
