@@ -548,9 +548,15 @@ def test_consumer_waits_for_a_long_running_producer_kernel(
     assert _recv(out, proc, timeout=120) == ("ready",)
     buf = manager.zeros((1 << 22,), "float32", device=0)
     t = torch.from_dlpack(buf)
-    torch.cuda._sleep(3_000_000_000)  # over a second of GPU time on the default stream
-    t.fill_(7.0)  # queued behind it
-    assert not torch.cuda.current_stream().query(), "the producer's kernel finished too early to test anything"
+    for attempt in range(4):  # a long kernel on the default stream, still running at put() time
+        torch.cuda._sleep(3_000_000_000 << attempt)
+        t.fill_(7.0)  # queued behind it
+        if not torch.cuda.current_stream().query():
+            break
+        t.zero_()
+        torch.cuda.synchronize()
+    else:
+        pytest.fail("could not keep a producer kernel running long enough to test anything")
     q.put(buf)  # no synchronize: the ready event recorded at pickling carries the ordering
     tag, low, high = _recv(out, proc, timeout=60)
     assert tag == "seen"
