@@ -60,9 +60,7 @@ import logging
 import os
 import queue
 import secrets
-import select
 import socket
-import tempfile
 import threading
 import time
 import warnings
@@ -83,6 +81,7 @@ from ._errors import (
     ManagerClosedError,
     OwnerGoneError,
 )
+from ._service import UnixListener, accept, connect, shutdown_socket
 
 __all__ = ["Link", "Owner", "attach", "close_links", "owner_for"]
 
@@ -100,20 +99,6 @@ def _warn(message: str, category: type[Warning]) -> None:
         warnings.warn(message, category, stacklevel=3)
     except Warning:
         pass
-
-
-def _wake(conn: connection.Connection) -> None:
-    """Shut a connection's socket down so a thread blocked in recv() returns."""
-    try:
-        sock = socket.socket(fileno=os.dup(conn.fileno()))
-    except OSError:
-        return
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    finally:
-        sock.close()
 
 
 # ---------------------------------------------------------------------------
@@ -257,18 +242,11 @@ class Owner:
         self._conn_ids = itertools.count(1)
         self._closed = False
         self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
-        self._dir = tempfile.mkdtemp(prefix="gpushare-")
-        self.address = os.path.join(self._dir, "owner.sock")
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.bind(self.address)
-        os.chmod(self.address, 0o600)
-        self._sock.listen(128)
         self.reused = 0
-        for target, name in ((self._accept_loop, "accept"), (self._housekeeping, "housekeeping")):
-            thread = threading.Thread(target=target, name=f"gpushare-owner-{name}", daemon=True)
-            thread.start()
-            self._threads.append(thread)
+        self._listener = UnixListener("owner", self._serve)
+        self.address = self._listener.address
+        self._housekeeper = threading.Thread(target=self._housekeeping, name="gpushare-owner-housekeeping", daemon=True)
+        self._housekeeper.start()
         with _owners_lock:
             _owners[self.token] = self
 
@@ -425,26 +403,12 @@ class Owner:
         self._cond.notify_all()
 
     # -- the socket service -------------------------------------------------------
-    def _accept_loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                ready, _, _ = select.select([self._sock], [], [], 0.2)
-                if not ready:
-                    continue
-                sock, _ = self._sock.accept()
-            except OSError:
-                return
-            thread = threading.Thread(target=self._serve, args=(sock,), name="gpushare-owner-peer", daemon=True)
-            thread.start()
-
     def _serve(self, sock: socket.socket) -> None:
-        conn = connection.Connection(sock.detach())
         try:
-            connection.deliver_challenge(conn, self.authkey)
-            connection.answer_challenge(conn, self.authkey)
+            conn = accept(sock, self.authkey)
         except (AuthenticationError, OSError, EOFError) as exc:
             log.warning("gpushare: refused a connection that did not authenticate: %s", exc)
-            conn.close()
+            sock.close()
             return
         peer = _Peer(next(self._conn_ids), conn)
         with self._lock:
@@ -713,16 +677,10 @@ class Owner:
             peers = list(self._peers.values())
         for peer in peers:
             peer.send(("bye", "the owning Manager was shut down"))
-            _wake(peer.conn)
+            shutdown_socket(peer.conn.fileno())
         self._stop.set()
-        self._sock.close()
-        for remove, path in ((os.unlink, self.address), (os.rmdir, self._dir)):
-            try:
-                remove(path)
-            except OSError:
-                pass
-        for thread in self._threads:
-            thread.join(timeout=2.0)
+        self._listener.close()
+        self._housekeeper.join(timeout=2.0)
         with _owners_lock:
             _owners.pop(self.token, None)
 
@@ -786,7 +744,7 @@ class Link:
         # Lease traffic, sent by the writer thread in batches: (_CLAIM | _RELEASE, lease, alloc).
         self._writes: queue.SimpleQueue[tuple[int, int, int] | None] = queue.SimpleQueue()
         try:
-            self.conn = connection.Client(address, family="AF_UNIX", authkey=authkey)
+            self.conn = connect(address, authkey)
         except AuthenticationError as exc:
             raise OwnerGoneError(
                 "the owner of this buffer refused this process: authentication failed. Processes "

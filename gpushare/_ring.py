@@ -108,7 +108,6 @@ import queue
 import select
 import socket
 import struct
-import tempfile
 import threading
 import time
 import weakref
@@ -120,6 +119,7 @@ from typing import Any, NoReturn
 
 from ._buffer import Buffer
 from ._errors import GpushareError, OwnerGoneError, RingClosedError
+from ._service import UnixListener, accept, connect, shutdown_socket, socket_timeouts
 
 __all__ = ["Ring", "RingConsumer", "create_ring"]
 
@@ -140,36 +140,6 @@ _LENGTH = struct.Struct("!i")  # multiprocessing.connection's message header
 _LONG_LENGTH = struct.Struct("!Q")
 
 _FREE, _ACQUIRED, _PUBLISHED = 0, 1, 2
-
-
-def _socket_timeouts(fd: int, recv: float, send: float) -> None:
-    """Bound blocking reads and writes on ``fd`` (0: unbounded) without making it non-blocking.
-
-    multiprocessing's Connection reads with os.read on a blocking fd and has no
-    timeout of its own; SO_RCVTIMEO/SO_SNDTIMEO make a stuck peer raise
-    BlockingIOError (an OSError) instead of hanging the handshake or a send.
-    """
-    sock = socket.socket(fileno=os.dup(fd))
-    try:
-        for option, seconds in ((socket.SO_RCVTIMEO, recv), (socket.SO_SNDTIMEO, send)):
-            whole = int(seconds)
-            sock.setsockopt(socket.SOL_SOCKET, option, struct.pack("ll", whole, int((seconds - whole) * 1e6)))
-    finally:
-        sock.close()
-
-
-def _shutdown(fd: int) -> None:
-    """Shut a socket down both ways, so a thread blocked reading it returns (EOF)."""
-    try:
-        sock = socket.socket(fileno=os.dup(fd))
-    except OSError:
-        return
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    finally:
-        sock.close()
 
 
 def _poll_ms(timeout: float | None) -> int:
@@ -346,34 +316,18 @@ class _Producer:
         # earlier may still write to it, and a reused fd number must never be.
         for fd in (self._wake_r, self._wake_w):
             weakref.finalize(self, os.close, fd)
-        self._stop = threading.Event()
-        self._dir = tempfile.mkdtemp(prefix="gpushare-ring-")
-        self.address = os.path.join(self._dir, "ring.sock")
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.bind(self.address)
-        os.chmod(self.address, 0o600)
-        self._sock.listen(64)
-        self._accepter = threading.Thread(target=self._accept_loop, name="gpushare-ring-accept", daemon=True)
-        self._accepter.start()
+        self._listener = UnixListener("ring", self._register, backlog=64)
+        self.address = self._listener.address
 
     # -- registration (service threads) ---------------------------------------
-    def _accept_loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                ready, _, _ = select.select([self._sock], [], [], 0.2)
-                if not ready:
-                    continue
-                sock, _ = self._sock.accept()
-            except (OSError, ValueError):
-                return
-            threading.Thread(target=self._register, args=(sock,), name="gpushare-ring-register", daemon=True).start()
-
     def _register(self, sock: socket.socket) -> None:
-        conn = connection.Connection(sock.detach())
         try:
-            _socket_timeouts(conn.fileno(), REGISTER_TIMEOUT, REGISTER_TIMEOUT)
-            connection.deliver_challenge(conn, self.authkey)
-            connection.answer_challenge(conn, self.authkey)
+            conn = accept(sock, self.authkey, REGISTER_TIMEOUT)
+        except (AuthenticationError, OSError, EOFError) as exc:
+            log.warning("gpushare: a ring consumer failed to register: %s", exc)
+            return
+        try:
+            socket_timeouts(conn.fileno(), REGISTER_TIMEOUT, REGISTER_TIMEOUT)
             hello = conn.recv()
             pid = int(hello[1])
             if self.closed is not None:
@@ -383,7 +337,7 @@ class _Producer:
             conn.send(("slots", self.buffers))  # one lease per slot, claimed by the consumer
             if conn.recv() != ("ready",):
                 raise EOFError("the consumer did not confirm its registration")
-            _socket_timeouts(conn.fileno(), 0, SEND_TIMEOUT)
+            socket_timeouts(conn.fileno(), 0, SEND_TIMEOUT)
         except (AuthenticationError, OSError, EOFError) as exc:
             log.warning("gpushare: a ring consumer failed to register: %s", exc)
             conn.close()
@@ -657,7 +611,6 @@ class _Producer:
                 return
             self.closed = reason
             self._cond.notify_all()
-        self._stop.set()
         self._wake()  # a thread blocked in acquire() sees the close and leaves _io
         with self._io:
             with self._lock:
@@ -678,12 +631,7 @@ class _Producer:
                 c.conn.close()
             self._poller = None
             self._by_fd = {}
-        self._sock.close()
-        for remove, path in ((os.unlink, self.address), (os.rmdir, self._dir)):
-            try:
-                remove(path)
-            except OSError:
-                pass
+        self._listener.close()
         for b in self.buffers:
             b.release()  # acquired, unpublished buffers keep their memory until they go too
 
@@ -877,18 +825,8 @@ class RingConsumer:
     def _register(self) -> None:
         pid = self._info["pid"]
         try:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                sock.settimeout(REGISTER_TIMEOUT)
-                sock.connect(self._address)
-                sock.settimeout(None)
-            except BaseException:
-                sock.close()
-                raise
-            self._conn = conn = connection.Connection(sock.detach())
-            _socket_timeouts(conn.fileno(), REGISTER_TIMEOUT, REGISTER_TIMEOUT)
-            connection.answer_challenge(conn, bytes(current_process().authkey))
-            connection.deliver_challenge(conn, bytes(current_process().authkey))
+            self._conn = conn = connect(self._address, bytes(current_process().authkey), REGISTER_TIMEOUT)
+            socket_timeouts(conn.fileno(), REGISTER_TIMEOUT, REGISTER_TIMEOUT)
             conn.send(("hello", os.getpid()))
             reply = conn.recv()  # maps every slot (claims one lease each)
             if reply[0] == "closed":
@@ -902,7 +840,7 @@ class RingConsumer:
                 self._closed = f"the ring was closed: {reply[1]}"
                 self._shut()
                 return
-            _socket_timeouts(conn.fileno(), 0, 0)
+            socket_timeouts(conn.fileno(), 0, 0)
         except AuthenticationError as exc:
             raise OwnerGoneError(
                 f"the ring's producer (pid {pid}) refused this process: authentication failed. A ring "
@@ -1060,7 +998,7 @@ class RingConsumer:
         for b in buffers:
             b.release()  # items still held keep their memory until they go too
         if conn is not None:
-            _shutdown(conn.fileno())  # wakes a get() blocked in another thread; closing alone would not
+            shutdown_socket(conn.fileno())  # wakes a get() blocked in another thread; closing alone would not
             conn.close()
 
     def close(self) -> None:

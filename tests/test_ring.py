@@ -70,7 +70,9 @@ def report_end(ring, results) -> None:
 def produce_then_wait(rings, results, control) -> None:
     with mp.Manager() as m:
         ring = m.ring(SHAPE, "float32", device="cpu", slots=2, consumers=1)
-        results.put(("left behind", m._process.pid, [m._owner._dir, ring._core._dir]))
+        results.put(
+            ("left behind", m._process.pid, [os.path.dirname(m._owner.address), os.path.dirname(ring._core.address)])
+        )
         rings.put(ring)
         buf = ring.acquire(timeout=30)
         buf.fill(7)

@@ -1,0 +1,135 @@
+"""Authenticated Unix-socket services: the one transport of gpushare's control plane.
+
+Both the lifetime service (``_lifetime.Owner``) and the fan-out ring
+(``_ring``) listen on an AF_UNIX socket in a private temporary directory
+(mode 0600), accept in a thread, and hand each connection to a handler
+thread. Every connection starts with multiprocessing's HMAC challenge in
+both directions, with the process authkey, before anything is unpickled:
+a process outside the Manager's process tree cannot connect.
+
+multiprocessing's ``Connection`` reads with blocking ``os.read`` and has no
+timeout of its own, so the handshake runs with SO_RCVTIMEO/SO_SNDTIMEO set
+(a stuck or silent peer raises instead of hanging a thread), and the
+timeouts are lifted once the peer is known.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import struct
+import tempfile
+import threading
+from collections.abc import Callable
+from multiprocessing import connection
+
+__all__ = ["HANDSHAKE_TIMEOUT", "UnixListener", "accept", "connect", "shutdown_socket", "socket_timeouts"]
+
+HANDSHAKE_TIMEOUT = 10.0
+
+
+def socket_timeouts(fd: int, recv: float, send: float) -> None:
+    """Bound blocking reads and writes on ``fd`` (0: unbounded) without making it non-blocking.
+
+    A read or write that times out raises BlockingIOError (an OSError).
+    """
+    sock = socket.socket(fileno=os.dup(fd))
+    try:
+        for option, seconds in ((socket.SO_RCVTIMEO, recv), (socket.SO_SNDTIMEO, send)):
+            whole = int(seconds)
+            sock.setsockopt(socket.SOL_SOCKET, option, struct.pack("ll", whole, int((seconds - whole) * 1e6)))
+    finally:
+        sock.close()
+
+
+def shutdown_socket(fd: int) -> None:
+    """Shut a socket down both ways, so a thread blocked reading it returns (EOF)."""
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    finally:
+        sock.close()
+
+
+def accept(sock: socket.socket, authkey: bytes, timeout: float = HANDSHAKE_TIMEOUT) -> connection.Connection:
+    """Server side: authenticate an accepted socket both ways. The caller closes it on error."""
+    conn = connection.Connection(sock.detach())
+    try:
+        socket_timeouts(conn.fileno(), timeout, timeout)
+        connection.deliver_challenge(conn, authkey)
+        connection.answer_challenge(conn, authkey)
+        socket_timeouts(conn.fileno(), 0, 0)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def connect(address: str, authkey: bytes, timeout: float = HANDSHAKE_TIMEOUT) -> connection.Connection:
+    """Client side: connect and authenticate both ways, each step bounded by ``timeout``."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout)
+        sock.connect(address)
+        sock.settimeout(None)
+    except BaseException:
+        sock.close()
+        raise
+    conn = connection.Connection(sock.detach())
+    try:
+        socket_timeouts(conn.fileno(), timeout, timeout)
+        connection.answer_challenge(conn, authkey)
+        connection.deliver_challenge(conn, authkey)
+        socket_timeouts(conn.fileno(), 0, 0)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+class UnixListener:
+    """A listening AF_UNIX socket in a private directory; each accepted socket goes
+    to ``handler(sock)`` on a daemon thread of its own."""
+
+    def __init__(self, name: str, handler: Callable[[socket.socket], None], backlog: int = 128) -> None:
+        self._dir = tempfile.mkdtemp(prefix=f"gpushare-{name}-")
+        self.address = os.path.join(self._dir, f"{name}.sock")
+        self._name = name
+        self._handler = handler
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.bind(self.address)
+        os.chmod(self.address, 0o600)
+        self._sock.listen(backlog)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._accept_loop, name=f"gpushare-{name}-accept", daemon=True)
+        self._thread.start()
+
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                ready, _, _ = select.select([self._sock], [], [], 0.2)
+                if not ready:
+                    continue
+                sock, _ = self._sock.accept()
+            except (OSError, ValueError):  # closed under us
+                return
+            name = f"gpushare-{self._name}-peer"
+            threading.Thread(target=self._handler, args=(sock,), name=name, daemon=True).start()
+
+    def close(self) -> None:
+        """Stop accepting and remove the socket and its directory. Idempotent."""
+        self._stop.set()
+        self._sock.close()
+        for remove, path in ((os.unlink, self.address), (os.rmdir, self._dir)):
+            try:
+                remove(path)
+            except OSError:
+                pass
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=2.0)
