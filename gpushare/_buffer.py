@@ -128,7 +128,7 @@ class Memory:
         self.alloc_id = alloc_id
         self.generation = generation
         self.handle = handle
-        self.native = native
+        self.native = native  # host: the mmap, kept alive while any Buffer or NumPy view uses it
         self.source = source
         # Consumer side of CUDA buffers: the producer's ready event (opened, cached per
         # allocation) and whether this arrival has not been waited for on the host yet.
