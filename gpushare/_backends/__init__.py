@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import warnings
 
@@ -55,6 +56,19 @@ def get(name: str) -> Backend:
                 raise BackendUnavailableError(f"unknown backend {name!r}; valid backends are {', '.join(BACKENDS)}")
             _instances[name] = backend
     return backend
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _caller_level() -> int:
+    """The warnings stacklevel of the first frame outside gpushare (the user's call)."""
+    frame = sys._getframe(1)
+    level = 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame = frame.f_back  # type: ignore[assignment]
+        level += 1
+    return level
 
 
 def parse_device(device: object) -> int | str | None:
@@ -120,7 +134,7 @@ def resolve(device: object, backend: str | None = None) -> tuple[Backend, int | 
                     "gpushare: no usable GPU, so device=None buffers use the host shared-memory "
                     "backend; pass device='cpu' or set GPUSHARE_BACKEND=host to silence this",
                     RuntimeWarning,
-                    stacklevel=3,
+                    stacklevel=_caller_level(),
                 )
             parsed = "cpu"
     if parsed == "cpu":
