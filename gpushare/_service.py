@@ -57,18 +57,24 @@ def shutdown_socket(fd: int) -> None:
         sock.close()
 
 
-def accept(sock: socket.socket, authkey: bytes, timeout: float = HANDSHAKE_TIMEOUT) -> connection.Connection:
-    """Server side: authenticate an accepted socket both ways. The caller closes it on error."""
+def _authenticate(sock: socket.socket, authkey: bytes, timeout: float, *, server: bool) -> connection.Connection:
+    """HMAC challenge both ways (the server challenges first), bounded by ``timeout``."""
     conn = connection.Connection(sock.detach())
+    steps = (connection.deliver_challenge, connection.answer_challenge)
     try:
         socket_timeouts(conn.fileno(), timeout, timeout)
-        connection.deliver_challenge(conn, authkey)
-        connection.answer_challenge(conn, authkey)
+        for step in steps if server else steps[::-1]:
+            step(conn, authkey)
         socket_timeouts(conn.fileno(), 0, 0)
     except BaseException:
         conn.close()
         raise
     return conn
+
+
+def accept(sock: socket.socket, authkey: bytes, timeout: float = HANDSHAKE_TIMEOUT) -> connection.Connection:
+    """Server side: authenticate an accepted socket both ways (closed on error)."""
+    return _authenticate(sock, authkey, timeout, server=True)
 
 
 def connect(address: str, authkey: bytes, timeout: float = HANDSHAKE_TIMEOUT) -> connection.Connection:
@@ -81,16 +87,7 @@ def connect(address: str, authkey: bytes, timeout: float = HANDSHAKE_TIMEOUT) ->
     except BaseException:
         sock.close()
         raise
-    conn = connection.Connection(sock.detach())
-    try:
-        socket_timeouts(conn.fileno(), timeout, timeout)
-        connection.answer_challenge(conn, authkey)
-        connection.deliver_challenge(conn, authkey)
-        socket_timeouts(conn.fileno(), 0, 0)
-    except BaseException:
-        conn.close()
-        raise
-    return conn
+    return _authenticate(sock, authkey, timeout, server=False)
 
 
 class UnixListener:

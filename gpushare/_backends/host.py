@@ -49,17 +49,6 @@ def _address(mm: mmap.mmap) -> int:
     return addr
 
 
-def _close(mm: mmap.mmap) -> None:
-    """Forget a mapping without unmapping it under NumPy arrays.
-
-    NumPy views keep a reference to the mmap object but hold no buffer
-    export on it, so ``mm.close()`` would succeed and leave them dangling.
-    Dropping our reference instead unmaps the memory when the last array
-    (or the last Buffer) referring to it is collected.
-    """
-    del mm
-
-
 class HostBackend(_base.Backend):
     name = "host"
     is_cuda = False
@@ -98,8 +87,8 @@ class HostBackend(_base.Backend):
         return allocation.handle
 
     def free(self, allocation: _base.Allocation) -> None:
+        # The mmap is not closed: see the module docstring (it goes with its last user).
         name = allocation.handle.decode()
-        _close(allocation.native)
         try:
             _posixshmem.shm_unlink(name)
         except FileNotFoundError:  # removed behind our back (e.g. by hand)
@@ -116,7 +105,7 @@ class HostBackend(_base.Backend):
         return _base.Mapping(self.name, _address(mm), nbytes, None, b"", mm)
 
     def close(self, mapping: _base.Mapping) -> None:
-        _close(mapping.native)
+        """Nothing to do: the mmap unmaps when its last user (a Buffer, a NumPy view) goes."""
 
     def fill(self, ptr: int, pattern: bytes, nbytes: int, device: int | None) -> None:
         if len(set(pattern)) <= 1:
