@@ -1481,38 +1481,56 @@ class Bench:
 
     def peer_read(self, backend: str) -> dict[str, list[int]]:
         """Copy times (ns) per system of ``peer_read`` for one backend, from one consumer on cuda:1."""
+        return self._one_buffer_to_one_consumer(
+            "peer_read", backend, PEER_SHAPE, PEER_HOME, PEER_DEVICE, _peer_read_consumer,
+            (self.cfg.peer_warmup, self.cfg.peer_iters), PEER_TIMEOUT, PEER_SYSTEMS,
+        )  # fmt: skip
+
+    def _one_buffer_to_one_consumer(
+        self,
+        key: str,
+        backend: str,
+        shape: tuple[int, ...],
+        home: int,
+        consumer_device: int,
+        target: Callable[..., None],
+        timing: tuple[int, int],
+        timeout: float,
+        systems: Sequence[str],
+    ) -> dict[str, list[int]]:
+        """Fill one buffer on ``home``, hand it to one consumer bound to ``consumer_device``,
+        and return the timings it measured (``target(work, results, device, warmup, iters)``)."""
         from . import _cuda
 
         gpushare = _gpushare()
         m = self.manager()
-        cfg = self.cfg
-        scenario = self.scenarios["peer_read"]
+        scenario = self.scenarios[key]
         # BackendUnavailableError here, before the consumer starts.
-        buf = m.empty(PEER_SHAPE, "float32", device=PEER_HOME, backend=backend)
+        buf = m.empty(shape, "float32", device=home, backend=backend)
         reply: Any = None
         try:
             buf.fill(1.0)
-            _cuda.synchronize(PEER_HOME)  # the fill is on the device before another process reads it
+            _cuda.synchronize(home)  # the fill is on the device before another process reads it
             ctx = gpushare.get_context("spawn")
             work = ctx.Queue()
             results = ctx.Queue()
             proc = ctx.Process(
-                target=_peer_read_consumer,
-                args=(work, results, PEER_DEVICE, cfg.peer_warmup, cfg.peer_iters),
+                target=target,
+                args=(work, results, consumer_device, *timing),
                 daemon=True,
-                device=PEER_DEVICE,
+                device=consumer_device,
             )
             try:
                 proc.start()
                 _await_ready(_queue_poll(results), [proc], 1)
                 work.put(buf)
-                reply = _get_ack(results, [proc], timeout=PEER_TIMEOUT)
+                reply = _get_ack(results, [proc], timeout=timeout)
             finally:
                 _stop([proc], lambda: work.put(None), [work, results])  # joins with a timeout
         finally:
             buf.release()
             self._settle_and_trim(scenario, backend)
-        return _pick_clock(scenario, backend, reply, PEER_SYSTEMS)
+        return _pick_clock(scenario, backend, reply, systems)
 
     def _settle_and_trim(self, scenario: Scenario, backend: str) -> None:
         """Wait (bounded) for outstanding leases, then free the pool: 1 GiB per backend adds up."""
@@ -1770,38 +1788,10 @@ class Bench:
     # -- kernel_read --------------------------------------------------------------------------
     def kernel_read(self, backend: str) -> dict[str, list[int]]:
         """``x.sum()`` times (ns) per system of ``kernel_read`` for one backend, from one consumer on the same GPU."""
-        from . import _cuda
-
-        gpushare = _gpushare()
-        m = self.manager()
-        cfg = self.cfg
-        scenario = self.scenarios["kernel_read"]
-        # BackendUnavailableError here, before the consumer starts.
-        buf = m.empty(KERNEL_SHAPE, "float32", device=KERNEL_DEVICE, backend=backend)
-        reply: Any = None
-        try:
-            buf.fill(1.0)
-            _cuda.synchronize(KERNEL_DEVICE)  # the fill is on the device before another process reads it
-            ctx = gpushare.get_context("spawn")
-            work = ctx.Queue()
-            results = ctx.Queue()
-            proc = ctx.Process(
-                target=_kernel_read_consumer,
-                args=(work, results, KERNEL_DEVICE, cfg.kernel_warmup, cfg.kernel_iters),
-                daemon=True,
-                device=KERNEL_DEVICE,
-            )
-            try:
-                proc.start()
-                _await_ready(_queue_poll(results), [proc], 1)
-                work.put(buf)
-                reply = _get_ack(results, [proc], timeout=KERNEL_TIMEOUT)
-            finally:
-                _stop([proc], lambda: work.put(None), [work, results])  # joins with a timeout
-        finally:
-            buf.release()
-            self._settle_and_trim(scenario, backend)
-        return _pick_clock(scenario, backend, reply, KERNEL_SYSTEMS)
+        return self._one_buffer_to_one_consumer(
+            "kernel_read", backend, KERNEL_SHAPE, KERNEL_DEVICE, KERNEL_DEVICE, _kernel_read_consumer,
+            (self.cfg.kernel_warmup, self.cfg.kernel_iters), KERNEL_TIMEOUT, KERNEL_SYSTEMS,
+        )  # fmt: skip
 
     # -- peers ---------------------------------------------------------------------------
     def torch_handoff(self, n: int, fresh: bool) -> list[int]:
