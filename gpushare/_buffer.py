@@ -72,7 +72,7 @@ class Source(Protocol):
 
     def drop(self, memory: Memory) -> None: ...
 
-    def share(self, memory: Memory) -> int: ...
+    def share(self, memory: Memory) -> tuple[int, bytes]: ...
 
     def check(self, memory: Memory) -> None: ...
 
@@ -91,7 +91,6 @@ class Memory:
         "device",
         "device_uuid",
         "event",
-        "event_handle",
         "generation",
         "handle",
         "native",
@@ -116,7 +115,6 @@ class Memory:
         native: Any,
         source: Source,
         event: Any = None,
-        event_handle: bytes = b"",
     ) -> None:
         self.backend = backend
         self.base = base
@@ -130,10 +128,9 @@ class Memory:
         self.handle = handle
         self.native = native  # host: the mmap, kept alive while any Buffer or NumPy view uses it
         self.source = source
-        # Consumer side of CUDA buffers: the producer's ready event (opened, cached per
-        # allocation) and whether this arrival has not been waited for on the host yet.
+        # Consumer side of CUDA buffers: the producer's ready event (opened once per
+        # process) and whether this arrival has not been waited for on the host yet.
         self.event = event
-        self.event_handle = event_handle  # owner side: what descriptors carry
         self.pending = event is not None
         self._count = 0
         self._lock = threading.Lock()

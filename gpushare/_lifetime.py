@@ -29,32 +29,44 @@ Consumer side (:class:`Link`, one per owner per process)
 --------------------------------------------------------
 * One authenticated Unix-socket connection to the owner (multiprocessing's
   HMAC challenge with the process authkey, both ways, before anything is
-  unpickled), a reader thread for replies and ``unmap`` requests, and a
-  writer thread that batches lease releases off the caller's path (release
-  may run inside the garbage collector, so it only enqueues).
+  unpickled) and a reader thread for replies and ``unmap`` requests.
+* Claims of allocations this process already maps, and all releases, are
+  records in a shared-memory lease journal (:mod:`gpushare._journal`) that
+  the owner reads when it needs to: a steady-state handoff sends no
+  message and wakes no thread. A release may run inside the garbage
+  collector, so recording never blocks: what cannot be written at once
+  goes, in order, through a writer thread (which also nudges the owner
+  when the journal fills). Without ``memfd_create`` the writer sends the
+  same records as ``batch`` messages.
 * Mappings are cached per allocation and *retained* after their last
   buffer goes, so a recycled allocation arrives with no new open; they are
-  closed when the owner asks (``unmap``) or the process exits.
+  closed when the owner asks (``unmap``) or the process exits. The owner's
+  ready events (a few per device, recorded in turn) are opened once per
+  process.
 * When the connection closes, the owner is gone: every buffer of that owner
   raises :class:`OwnerGoneError` when touched.
 
 Wire messages are pickled tuples on an authenticated connection:
-consumer -> owner ``("hello", pid)``, ``("claim", req, lease, alloc)``
-(first arrival of an allocation: answered), ``("batch", [lease...], [lease...])``
-(claims of allocations this process already maps, then releases; a refused
-claim is answered by ``("claim_failed", lease, message)``),
-``("lease", req, alloc, generation, lease it came under)``, ``("fd", req, alloc)``,
-``("unmapped", alloc, ok)``; owner ->
-consumer ``("ok", req, value)``, ``("okfd", req, None)`` immediately
-followed on the socket by one file descriptor (SCM_RIGHTS: the fd-based
-backends' allocation or pool handle, sent only for an allocation the
-consumer holds a lease on), ``("err", req, message)``, ``("unmap", alloc)``,
-``("bye", reason)``.
+consumer -> owner ``("hello", pid, has_journal)`` (then, if it has one, the
+journal's file descriptor by SCM_RIGHTS), ``("claim", req, lease, alloc)``
+(first arrival of an allocation: answered), ``("drain",)`` (read my
+journal), ``("batch", [lease...], [lease...])`` (no journal: claims, then
+releases), ``("lease", req, alloc, generation, lease it came under)``
+(re-sharing: answered with ``(lease, ready event handle)``),
+``("fd", req, alloc)``, ``("unmapped", alloc, ok)``; owner -> consumer
+``("ok", req, value)``, ``("okfd", req, None)`` immediately followed on the
+socket by one file descriptor (SCM_RIGHTS: the fd-based backends'
+allocation or pool handle, sent only for an allocation the consumer holds
+a lease on), ``("err", req, message)``, ``("claim_failed", lease, message)``
+(an asynchronous claim was refused), ``("unmap", alloc)``, ``("bye", reason)``.
+The owner reads a consumer's journal before it handles any message from
+it, so records always count before whatever the consumer sent after them.
 """
 
 from __future__ import annotations
 
 import atexit
+import collections
 import itertools
 import logging
 import os
@@ -71,7 +83,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _backends, _cuda
+from . import _backends, _cuda, _journal
 from ._buffer import Buffer, Memory
 from ._descriptor import Descriptor
 from ._errors import (
@@ -88,8 +100,10 @@ __all__ = ["Link", "Owner", "attach", "close_links", "owner_for"]
 log = logging.getLogger("gpushare")
 
 LOCAL = 0  # holder id of leases claimed inside the owner's own process
-_CLAIM, _RELEASE = 0, 1  # kinds of the consumer's batched lease traffic
+_CLAIM, _RELEASE = _journal.CLAIM, _journal.RELEASE  # kinds of the consumer's lease records
+_NUDGE = -1  # the consumer's writer: tell the owner to read the journal
 REQUEST_TIMEOUT = 30.0
+READY_EVENTS = 4  # interprocess ready events per device and owner (see Owner._record_ready)
 
 
 def _warn(message: str, category: type[Warning]) -> None:
@@ -118,8 +132,6 @@ class _Slot:
     pooled: bool = False
     dead: bool = False  # memory freed
     detached: bool = False  # Manager shut down while the owner still used it: free on drop
-    event: Any = None  # CUDA: interprocess ready event, recorded at every share
-    event_handle: bytes = b""
     label: str = ""
 
     @property
@@ -144,6 +156,12 @@ class _Peer:
     leases: set[int] = field(default_factory=set)
     send_lock: threading.Lock = field(default_factory=threading.Lock)
     sock: socket.socket | None = None  # the connection's socket, for SCM_RIGHTS
+    journal: _journal.JournalReader | None = None  # its lease records (read under the owner lock)
+
+    def socket(self) -> socket.socket:
+        if self.sock is None:
+            self.sock = socket.socket(fileno=os.dup(self.conn.fileno()))
+        return self.sock
 
     def send(self, message: tuple[Any, ...]) -> bool:
         try:
@@ -157,10 +175,9 @@ class _Peer:
         """Reply to request ``req`` with a file descriptor: a message, then the fd itself."""
         try:
             with self.send_lock:
-                if self.sock is None:
-                    self.sock = socket.socket(fileno=os.dup(self.conn.fileno()))
+                sock = self.socket()
                 self.conn.send(("okfd", req, None))
-                reduction.sendfds(self.sock, [fd])
+                reduction.sendfds(sock, [fd])
             return True
         except (OSError, ValueError):
             return False
@@ -168,6 +185,8 @@ class _Peer:
     def close(self) -> None:
         if self.sock is not None:
             self.sock.close()
+        if self.journal is not None:
+            self.journal.close()
         self.conn.close()
 
 
@@ -181,11 +200,10 @@ class _OwnerSource:
     def drop(self, memory: Memory) -> None:
         self.owner._defer(self.owner._drop_owner_ref, self.slot)
 
-    def share(self, memory: Memory) -> int:
-        lease_id = self.owner.take_lease(self.slot, memory.generation)
+    def share(self, memory: Memory) -> tuple[int, bytes]:
+        lease = self.owner.take_lease(self.slot, memory.generation)
         memory.handle = self.slot.allocation.handle  # exported on first share
-        memory.event_handle = self.slot.event_handle
-        return lease_id
+        return lease
 
     def check(self, memory: Memory) -> None:
         self.owner._check_slot(self.slot)
@@ -231,12 +249,16 @@ class Owner:
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._pending: queue.SimpleQueue[tuple[Callable[..., None], tuple[Any, ...]]] = queue.SimpleQueue()
+        self._refusals: queue.SimpleQueue[tuple[_Peer, int, str]] = queue.SimpleQueue()
         self._slots: dict[int, _Slot] = {}
         self._pool: dict[tuple[str, int | None, int], list[_Slot]] = {}
         self._leases: dict[int, _Lease] = {}
         self._peers: dict[int, _Peer] = {}
         self._unmap_waits: dict[int, dict[int, bool | None]] = {}
         self._leaked: list[_Slot] = []
+        # Per CUDA device: interprocess ready events, recorded in turn (see _record_ready).
+        self._events: dict[int, list[tuple[Any, bytes]]] = {}
+        self._event_turn = itertools.count()
         self._ids = itertools.count(1)
         self._lease_ids = itertools.count(1)
         self._conn_ids = itertools.count(1)
@@ -260,12 +282,37 @@ class Owner:
                 self._lock.release()
 
     def _drain_locked(self) -> None:
+        """Lock held. Catch up: deferred finalizer work, then every consumer's lease records."""
         while True:
             try:
                 fn, args = self._pending.get_nowait()
             except queue.Empty:
-                return
+                break
             fn(*args)
+        for peer in self._peers.values():
+            if peer.journal is not None:
+                self._read_journal_locked(peer)
+
+    def _read_journal_locked(self, peer: _Peer) -> None:
+        """Lock held. Apply a consumer's claims and releases, in the order it made them."""
+        assert peer.journal is not None
+        for kind, lease_id in peer.journal.read():
+            if kind == _RELEASE:
+                self._release_lease(lease_id, peer.conn_id)
+                continue
+            try:
+                self._claim(lease_id, None, peer.conn_id)
+            except DescriptorError as exc:
+                self._refusals.put((peer, lease_id, str(exc)))
+
+    def _send_refusals(self) -> None:
+        """Tell consumers which of their claims were refused (never under the lock)."""
+        while True:
+            try:
+                peer, lease_id, why = self._refusals.get_nowait()
+            except queue.Empty:
+                return
+            peer.send(("claim_failed", lease_id, why))
 
     # -- allocation -----------------------------------------------------------
     def allocate(self, backend: _backends.Backend, nbytes: int, device: int | None, label: str) -> Memory:
@@ -331,8 +378,9 @@ class Owner:
         self._cond.notify_all()
 
     # -- leases ----------------------------------------------------------------
-    def take_lease(self, slot: _Slot, generation: int) -> int:
-        """A new unclaimed lease on ``slot`` (one pickling of a buffer)."""
+    def take_lease(self, slot: _Slot, generation: int) -> tuple[int, bytes]:
+        """A new unclaimed lease on ``slot`` (one pickling of a buffer), and the ready
+        event the receiver waits on (empty for host memory)."""
         with self._lock:
             self._drain_locked()
             self._check_slot(slot)
@@ -341,25 +389,31 @@ class Owner:
             if slot.generation != generation:
                 raise DescriptorError("this buffer's allocation was recycled; it cannot be shared any more")
             slot.allocation.handle = slot.backend.export(slot.allocation)
-            if slot.backend.is_cuda:
-                self._record_ready(slot)
+            event = self._record_ready(slot.allocation.device) if slot.backend.is_cuda else b""
             lease = _Lease(next(self._lease_ids), slot, generation, None, time.monotonic())
             self._leases[lease.lease_id] = lease
             slot.leases.add(lease.lease_id)
-            return lease.lease_id
+            return lease.lease_id, event
 
-    def _record_ready(self, slot: _Slot) -> None:
-        """Lock held. Mark, on the default stream, the point the consumer must wait for.
+    def _record_ready(self, device: int | None) -> bytes:
+        """Lock held. Mark, on the default stream, the point the receiver must wait for.
 
-        One interprocess event per allocation, created on first share and
-        recorded at every share: recording costs microseconds, opening one in a
-        consumer a third of a millisecond, so consumers open it once.
+        Interprocess events cost 2 us to create and record but a third of a
+        millisecond to open in another process, so the owner keeps a few per
+        device and records them in turn, and a consumer opens each once: after
+        that, even the first share of a new allocation opens no event. A
+        receiver that waits late may find its event recorded again by a later
+        share: it then waits for more of the producer's work, never for less.
         """
-        device = slot.allocation.device
         assert device is not None
-        if slot.event is None:
-            slot.event, slot.event_handle = _cuda.event_create_ipc(device)
-        _cuda.event_record(slot.event, device)
+        events = self._events.setdefault(device, [])
+        turn = next(self._event_turn)
+        if len(events) < READY_EVENTS:
+            events.append(_cuda.event_create_ipc(device))
+            turn = len(events) - 1
+        event, handle = events[turn % len(events)]
+        _cuda.event_record(event, device)
+        return handle
 
     def _claim(self, lease_id: int, alloc_id: int | None, holder: int) -> _Lease:
         """Lock held. ``alloc_id`` None: the claimer already maps the allocation."""
@@ -419,7 +473,11 @@ class Owner:
         try:
             while True:
                 message = conn.recv()
+                if peer.journal is not None:  # its records come before anything it sends after them
+                    with self._lock:
+                        self._read_journal_locked(peer)
                 self._handle(peer, message)
+                self._send_refusals()
         except (EOFError, OSError):
             pass
         except Exception:  # a bug must not leave leases pinned: drop the peer
@@ -464,7 +522,7 @@ class Owner:
                     held = lease is not None and lease.slot is slot and lease.holder in (peer.conn_id, None)
                 if slot is None or not held:
                     raise DescriptorError(f"allocation {alloc_id} is not leased to this process")
-                peer.send(("ok", req, self.take_lease(slot, generation)))
+                peer.send(("ok", req, self.take_lease(slot, generation)))  # (lease id, ready event)
             except (DescriptorError, ManagerClosedError) as exc:
                 peer.send(("err", req, str(exc)))
         elif kind == "fd":
@@ -492,14 +550,22 @@ class Owner:
                     if slot is not None:
                         slot.mappers.discard(peer.conn_id)
                 self._cond.notify_all()
+        elif kind == "drain":
+            pass  # the journal was read above
         elif kind == "hello":
             peer.pid = int(message[1])
+            if len(message) > 2 and message[2]:
+                journal = _journal.JournalReader(reduction.recvfds(peer.socket(), 1)[0])
+                with self._lock:
+                    peer.journal = journal
         else:
             log.warning("gpushare: ignoring unknown message %r from pid %s", kind, peer.pid)
 
     def _drop_peer(self, peer: _Peer) -> None:
         """The peer's connection closed (exit, crash, SIGKILL): release all it held."""
         with self._lock:
+            if peer.journal is not None:
+                self._read_journal_locked(peer)  # claims it made before it went count, then go
             self._peers.pop(peer.conn_id, None)
             for lease_id in list(peer.leases):
                 self._release_lease(lease_id, peer.conn_id)
@@ -523,6 +589,7 @@ class Owner:
                         lease.slot.leases.discard(lease.lease_id)
                         self._maybe_recycle(lease.slot)
                 over = self._over_limit_locked()
+            self._send_refusals()
             for lease in expired:
                 _warn(
                     f"gpushare: a lease on allocation {lease.slot.alloc_id} ({lease.slot.label}) was never "
@@ -589,9 +656,6 @@ class Owner:
             return
         slot.dead = True
         self._slots.pop(slot.alloc_id, None)
-        if slot.event is not None:
-            assert slot.allocation.device is not None
-            _cuda.event_destroy(slot.event, slot.allocation.device)
         slot.backend.free(slot.allocation)
 
     def _destroy(self, slot: _Slot) -> bool:
@@ -681,6 +745,14 @@ class Owner:
         self._stop.set()
         self._listener.close()
         self._housekeeper.join(timeout=2.0)
+        with self._lock:
+            events, self._events = self._events, {}
+        for device, pairs in events.items():
+            for event, _ in pairs:
+                try:
+                    _cuda.event_destroy(event, device)
+                except Exception:
+                    log.exception("gpushare: destroying a ready event failed")
         with _owners_lock:
             _owners.pop(self.token, None)
 
@@ -706,10 +778,11 @@ class _LeaseSource:
         self.lease_id = lease_id
 
     def drop(self, memory: Memory) -> None:
-        self.link._writes.put((_RELEASE, self.lease_id, memory.alloc_id))
+        self.link._note(_RELEASE, self.lease_id, memory.alloc_id)
 
-    def share(self, memory: Memory) -> int:
-        return int(self.link.request("lease", memory.alloc_id, memory.generation, self.lease_id))
+    def share(self, memory: Memory) -> tuple[int, bytes]:
+        lease_id, event = self.link.request("lease", memory.alloc_id, memory.generation, self.lease_id)
+        return int(lease_id), bytes(event)
 
     def check(self, memory: Memory) -> None:
         refused = self.link._failed.get(self.lease_id)
@@ -731,18 +804,27 @@ class Link:
 
     def __init__(self, address: str, token: bytes, authkey: bytes) -> None:
         self.token = token
+        self._address = address
         self.gone: str | None = None
         self._send_lock = threading.Lock()
         self._map_lock = threading.Lock()
         self._mappings: dict[int, _backends.Mapping] = {}
-        self._events: dict[int, tuple[bytes, Any, int]] = {}  # alloc id -> (handle, opened event, device)
+        self._events: dict[tuple[bytes, int], Any] = {}  # (event handle, device) -> opened event
         self._failed: dict[int, str] = {}  # lease id -> why the owner refused an asynchronous claim
         self._held: set[int] = set()  # lease ids claimed by this process and not yet released
         self._waiting: dict[int, list[Any]] = {}
         self._wait_lock = threading.Lock()
         self._reqs = itertools.count(1)
-        # Lease traffic, sent by the writer thread in batches: (_CLAIM | _RELEASE, lease, alloc).
-        self._writes: queue.SimpleQueue[tuple[int, int, int] | None] = queue.SimpleQueue()
+        # Lease records (see _journal): written straight into the journal when that
+        # can be done without blocking, else queued here, in order, for the writer
+        # thread: (_CLAIM | _RELEASE, lease, alloc, accounted).
+        self._journal = _journal.create_writer()
+        self._journal_lock = threading.Lock()
+        self._backlog: collections.deque[tuple[int, int, int, bool]] = collections.deque()
+        self._nudged_at = 0  # journal head when the owner was last nudged
+        # Wakes the writer: 1 (backlog), _NUDGE, or None (stop). SimpleQueue.put is
+        # safe inside the garbage collector, where releases may run.
+        self._wake: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         try:
             self.conn = connect(address, authkey)
         except AuthenticationError as exc:
@@ -757,7 +839,16 @@ class Link:
                 "exited or shut its Manager down"
             ) from exc
         self._sock = socket.socket(fileno=os.dup(self.conn.fileno()))
-        self._send(("hello", os.getpid()))
+        self._send(("hello", os.getpid(), self._journal is not None))
+        if self._journal is not None:
+            assert self._journal.fd is not None
+            try:
+                reduction.sendfds(self._sock, [self._journal.fd])
+            except OSError as exc:
+                self._mark_gone(f"connection lost: {exc}")
+                raise OwnerGoneError(f"cannot reach the owner of this buffer ({exc})") from exc
+            finally:
+                self._journal.close_fd()
         self._reader = threading.Thread(target=self._read_loop, name="gpushare-link-reader", daemon=True)
         self._writer = threading.Thread(target=self._write_loop, name="gpushare-link-writer", daemon=True)
         self._reader.start()
@@ -828,36 +919,117 @@ class Link:
             for slot in self._waiting.values():
                 slot[0].set()
 
+    # -- lease records ------------------------------------------------------------
+    def _note(self, kind: int, lease_id: int, alloc_id: int) -> None:
+        """Record a claim or a release of ``lease_id``. Never blocks.
+
+        Runs in user code and inside the garbage collector, on any thread,
+        possibly one that already holds these locks: so it only ever *tries*
+        them. The fast path accounts for a release and appends the record to
+        the journal at once; anything else goes to the backlog, which the
+        writer thread empties in order (a record is never written before one
+        queued earlier).
+        """
+        journal = self._journal
+        if journal is not None and self._map_lock.acquire(blocking=False):
+            try:
+                if kind == _RELEASE:
+                    self._unhold(lease_id, alloc_id)
+                if self._journal_lock.acquire(blocking=False):
+                    try:
+                        if self._journal is journal and not self._backlog and journal.unconsumed() < _journal.CAPACITY:
+                            journal.append(kind, lease_id)
+                            if journal.head - self._nudged_at >= _journal.NUDGE_AT:
+                                if journal.unconsumed() >= _journal.NUDGE_AT:
+                                    self._nudged_at = journal.head
+                                    self._wake.put(_NUDGE)
+                            return
+                    finally:
+                        self._journal_lock.release()
+            finally:
+                self._map_lock.release()
+            self._backlog.append((kind, lease_id, alloc_id, True))
+        else:
+            self._backlog.append((kind, lease_id, alloc_id, False))
+        self._wake.put(1)
+
+    def _unhold(self, lease_id: int, alloc_id: int) -> None:
+        """Map lock held. A released lease no longer keeps its mapping in use.
+
+        Done before the owner can learn of the release, so that an ``unmap``
+        the owner sends after it finds this process no longer using the memory.
+        """
+        self._held.discard(lease_id)
+        mapping = self._mappings.get(alloc_id)
+        if mapping is not None:
+            mapping.refs -= 1
+
     def _write_loop(self) -> None:
-        while True:
-            item = self._writes.get()
-            batch = []
-            stop = False
+        stop = False
+        while not stop:
+            signals = [self._wake.get()]
             while True:
-                if item is None:
-                    stop = True
-                else:
-                    batch.append(item)
                 try:
-                    item = self._writes.get_nowait()
+                    signals.append(self._wake.get_nowait())
                 except queue.Empty:
                     break
-            if batch:
-                claims = [lease_id for kind, lease_id, _ in batch if kind == _CLAIM]
-                releases = [(lease_id, alloc_id) for kind, lease_id, alloc_id in batch if kind == _RELEASE]
-                with self._map_lock:
-                    for lease_id, alloc_id in releases:
-                        self._held.discard(lease_id)
-                        mapping = self._mappings.get(alloc_id)
-                        if mapping is not None:
-                            mapping.refs -= 1
-                if self.gone is None:
-                    try:
-                        self._send(("batch", claims, [lease_id for lease_id, _ in releases]))
-                    except OwnerGoneError:
-                        pass
-            if stop:
-                return
+            stop = None in signals
+            if self._journal is None:
+                self._send_backlog()
+                continue
+            if _NUDGE in signals:
+                self._send_quietly(("drain",))
+            # Journal full: hold the backlog, nudge, retry, until it is written or the owner is gone.
+            deadline = time.monotonic() + REQUEST_TIMEOUT
+            while not self._write_backlog() and self.gone is None:
+                self._send_quietly(("drain",))
+                if time.monotonic() > deadline:
+                    log.error(
+                        "gpushare: the owner (address %s) has not read this process's lease records for %g s",
+                        self._address,
+                        REQUEST_TIMEOUT,
+                    )
+                    deadline = time.monotonic() + REQUEST_TIMEOUT
+                time.sleep(0.001)
+
+    def _write_backlog(self) -> bool:
+        """Move backlog records into the journal, in order; False if it filled up first."""
+        with self._journal_lock:
+            journal = self._journal
+            if journal is None:  # closed: the owner learns the rest from the connection's end
+                return True
+            while self._backlog:
+                if journal.unconsumed() >= _journal.CAPACITY:
+                    return False
+                kind, lease_id, alloc_id, accounted = self._backlog[0]
+                if kind == _RELEASE and not accounted:
+                    with self._map_lock:
+                        self._unhold(lease_id, alloc_id)
+                journal.append(kind, lease_id)
+                self._backlog.popleft()
+        return True
+
+    def _send_backlog(self) -> None:
+        """No journal: send the backlog as one ``batch`` message (claims, then releases)."""
+        batch = []
+        while self._backlog:
+            batch.append(self._backlog.popleft())
+        if not batch:
+            return
+        with self._map_lock:
+            for kind, lease_id, alloc_id, accounted in batch:
+                if kind == _RELEASE and not accounted:
+                    self._unhold(lease_id, alloc_id)
+        claims = [lease_id for kind, lease_id, _, _ in batch if kind == _CLAIM]
+        releases = [lease_id for kind, lease_id, _, _ in batch if kind == _RELEASE]
+        self._send_quietly(("batch", claims, releases))
+
+    def _send_quietly(self, message: tuple[Any, ...]) -> None:
+        if self.gone is None:
+            try:
+                self._send(message)
+            except OwnerGoneError:
+                pass
 
     def _unmap(self, alloc_id: int) -> bool:
         with self._map_lock:
@@ -867,7 +1039,6 @@ class Link:
             if mapping.refs > 0:
                 return False
             del self._mappings[alloc_id]
-        self._forget_event(alloc_id)
         try:
             _backends.get(mapping.backend).close(mapping)
         except Exception:
@@ -895,9 +1066,9 @@ class Link:
                 mapping.refs += 1
                 self._held.add(desc.lease_id)
         if mapping is not None:
-            # Claimed by the writer thread, batched with releases: the caller pays
-            # for a queue put, not a socket write.
-            self._writes.put((_CLAIM, desc.lease_id, desc.alloc_id))
+            # Claimed by a record in the journal: the caller pays for a few
+            # bytes of shared memory, not a socket message.
+            self._note(_CLAIM, desc.lease_id, desc.alloc_id)
         else:
             self.request("claim", desc.lease_id, desc.alloc_id)
             with self._map_lock:
@@ -918,14 +1089,14 @@ class Link:
                 if mapping is not opened:  # another thread mapped it first
                     backend.close(opened)
             except BaseException:
-                self._writes.put((_RELEASE, desc.lease_id, -1))
+                self._note(_RELEASE, desc.lease_id, -1)
                 raise
         event = None
         if desc.event:
             try:
-                event = self._event(desc.alloc_id, desc.event, mapping.device)
+                event = self._event(desc.event, mapping.device)
             except BaseException:
-                self._writes.put((_RELEASE, desc.lease_id, desc.alloc_id))
+                self._note(_RELEASE, desc.lease_id, desc.alloc_id)
                 raise
         memory = Memory(
             backend=backend,
@@ -944,29 +1115,18 @@ class Link:
         )
         return Buffer(memory, desc.offset, desc.shape, np.dtype(desc.dtype))
 
-    def _event(self, alloc_id: int, handle: bytes, device: int | None) -> Any:
-        """The producer's ready event for an allocation, opened once per process."""
-        with self._map_lock:
-            cached = self._events.get(alloc_id)
-        if cached is not None and cached[0] == handle:
-            return cached[1]
+    def _event(self, handle: bytes, device: int | None) -> Any:
+        """An owner's ready event, opened once per process (the owner records a few in turn)."""
         assert device is not None
-        event = _cuda.event_open(handle, device)
-        with self._map_lock:
-            old = self._events.get(alloc_id)
-            self._events[alloc_id] = (handle, event, device)
-        if old is not None:
-            _cuda.event_destroy(old[1], old[2])
+        key = (handle, device)
+        event = self._events.get(key)
+        if event is None:
+            event = _cuda.event_open(handle, device)
+            with self._map_lock:
+                event, duplicate = self._events.setdefault(key, event), event
+            if duplicate is not event:  # another thread opened it first
+                _cuda.event_destroy(duplicate, device)
         return event
-
-    def _forget_event(self, alloc_id: int) -> None:
-        with self._map_lock:
-            entry = self._events.pop(alloc_id, None)
-        if entry is not None:
-            try:
-                _cuda.event_destroy(entry[1], entry[2])
-            except Exception:
-                log.exception("gpushare: destroying an opened event failed")
 
     @property
     def open_mappings(self) -> int:
@@ -974,16 +1134,25 @@ class Link:
 
     def close(self) -> None:
         """Flush releases, close the connection, unmap everything."""
-        self._writes.put(None)
+        self._wake.put(None)
         self._writer.join(timeout=5.0)
         try:
             self.conn.close()
             self._sock.close()
         except OSError:
             pass
+        with self._journal_lock:
+            journal, self._journal = self._journal, None
+        if journal is not None:
+            journal.close()
         self._mark_gone("this process closed its connection")
-        for alloc_id in list(self._events):
-            self._forget_event(alloc_id)
+        with self._map_lock:
+            events, self._events = self._events, {}
+        for (_, device), event in events.items():
+            try:
+                _cuda.event_destroy(event, device)
+            except Exception:
+                log.exception("gpushare: destroying an opened event failed")
         with self._map_lock:
             mappings = list(self._mappings.values())
             self._mappings.clear()

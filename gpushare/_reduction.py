@@ -28,7 +28,7 @@ def descriptor_of(buf: Buffer) -> Descriptor:
     """Take a lease on ``buf`` and describe it (one call per receiver)."""
     buf._check()
     memory = buf._memory
-    lease_id = memory.source.share(memory)
+    lease_id, event = memory.source.share(memory)
     return Descriptor(
         backend=memory.backend.name,
         owner_token=memory.owner_token,
@@ -42,7 +42,7 @@ def descriptor_of(buf: Buffer) -> Descriptor:
         handle=memory.handle,
         dtype=buf.dtype.str,
         shape=buf.shape,
-        event=memory.event_handle,
+        event=event,
     )
 
 

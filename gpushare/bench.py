@@ -217,6 +217,8 @@ class Target:
 # ring: fan-out of one ring slot to N consumers, against the Pipe floor
 RING_SLOTS = 4
 RING_GET_TIMEOUT = 1.0  # seconds a consumer's get() waits before it checks for a stop request
+FIRST_SHARE_TARGET = Target("ratio_max", 1.3)  # 2 MiB, to the raw driver sequence
+RAW_DRIVER = "raw driver"
 RING_TARGETS = {"1": Target("ratio_max", 1.5), "4": Target("us_max", 80.0), "8": Target("us_max", 150.0)}
 
 # throughput: pipelined handoffs to one consumer, the producer never waiting for each ack
@@ -332,6 +334,30 @@ def _queue_consumer(kind: str, work: Any, acks: Any, device: int | None, extra: 
             return
         del item
         acks.put(1)
+
+
+def _raw_open_consumer(work: Any, acks: Any, device: int) -> None:
+    """``first_share``'s reference consumer: open each IPC handle, ack, close, say so."""
+    try:
+        from gpushare import _cuda
+
+        _cuda.make_current(device)
+    except BaseException as exc:
+        acks.put(("error", f"consumer setup failed: {type(exc).__name__}: {exc}"))
+        return
+    acks.put(("ready", os.getpid()))
+    while True:
+        handle = work.get()
+        if handle is None:
+            return
+        try:
+            ptr = _cuda.ipc_open(handle, device)
+        except BaseException as exc:
+            acks.put(("error", f"cuIpcOpenMemHandle failed: {type(exc).__name__}: {exc}"))
+            return
+        acks.put(1)
+        _cuda.ipc_close(ptr, device)
+        acks.put("closed")
 
 
 def _peer_read_consumer(work: Any, results: Any, peer: int, warmup: int, iters: int) -> None:
@@ -1140,15 +1166,25 @@ class Bench:
                 "First share of a fresh allocation: m.empty() -> one consumer maps it -> ack",
                 "size",
                 [_size_label(s) for s in sizes],
-                floor_row="1",
+                floor=("first_share", RAW_DRIVER),
+                ratio_systems=[label for label, _, _, _ in gs_columns],
+                targets={_size_label(2 * MiB): FIRST_SHARE_TARGET},
+                target_systems=[label for label, _, _, _ in gs_columns],
             )
         ):
             self.scenarios["first_share"].notes.append(
-                f"{gs_note} The Manager's pool is trimmed between iterations (untimed)."
+                f"{gs_note} The Manager's pool is trimmed between iterations (untimed). "
+                f"`{RAW_DRIVER}` is the reference the ratios divide by: the bare driver sequence "
+                "(cuMemAlloc, cuIpcGetMemHandle, the 64-byte handle through the same kind of Queue, "
+                "cuIpcOpenMemHandle in the consumer, ack), the consumer closing and the producer "
+                "freeing between iterations, untimed."
             )
+            raw_skip = self.gpu_reason
             for size in sizes:
+                row = _size_label(size)
+                task("first_share", RAW_DRIVER, row, _bind(self.first_share_raw, size), raw_skip)
                 for label, backend, device, skip in gs_columns:
-                    task("first_share", label, _size_label(size), _bind(self.first_share, size, backend, device), skip)
+                    task("first_share", label, row, _bind(self.first_share, size, backend, device), skip)
 
         if add(
             Scenario(
@@ -1477,6 +1513,47 @@ class Bench:
                 f"{_gs_label(backend)}, {_size_label(nbytes)}: the pool still held memory after trim() "
                 f"in {len(reused)} iteration(s)."
             )
+        return samples
+
+    def first_share_raw(self, nbytes: int) -> list[int]:
+        """The driver's own first-share sequence, the reference for ``first_share``."""
+        import multiprocessing
+
+        from gpushare import _cuda
+
+        ctx = multiprocessing.get_context("spawn")
+        work = ctx.Queue()
+        acks = ctx.Queue()
+        proc = ctx.Process(target=_raw_open_consumer, args=(work, acks, 0), daemon=True)
+        held: list[int] = []
+        heavy = nbytes >= 64 * MiB
+
+        def settle() -> None:
+            # The consumer closes its mapping, then the producer frees: the next
+            # allocation is memory the consumer never opened.
+            while held:
+                ack = _get_ack(acks, [proc])
+                if ack != "closed":
+                    raise BenchError(f"the raw-driver consumer sent {ack!r} instead of 'closed'")
+                _cuda.mem_free(held.pop(), 0)
+
+        def step(i: int) -> None:
+            ptr = _cuda.mem_alloc(nbytes, 0)
+            held.append(ptr)
+            work.put(_cuda.ipc_get_handle(ptr, 0))
+            _check_ack(_get_ack(acks, [proc]))
+
+        try:
+            proc.start()
+            _await_ready(_queue_poll(acks), [proc], 1)
+            cfg = self.cfg
+            warmup, iters = (cfg.heavy_warmup, cfg.heavy_iters) if heavy else (cfg.warmup, cfg.iters)
+            samples = _time_loop(step, warmup, iters, between=settle)
+            settle()
+        finally:
+            _stop([proc], lambda: work.put(None), [work, acks])
+            while held:
+                _cuda.mem_free(held.pop(), 0)
         return samples
 
     def peer_read(self, backend: str) -> dict[str, list[int]]:

@@ -1,0 +1,156 @@
+"""The lease journal: a consumer's claims and releases, in shared memory.
+
+A buffer handed over in steady state (an allocation the consumer already
+maps) needs the owner to learn two things eventually: the consumer claimed
+the lease, and later released it. Sending a socket message for each wakes
+a writer thread in the consumer and a service thread in the owner per
+handoff; on a busy producer that costs more than the handoff itself. So
+each consumer link keeps a journal instead:
+
+* the consumer makes an anonymous shared-memory file (``memfd_create``),
+  maps it, and sends its descriptor to the owner once, with SCM_RIGHTS,
+  right after its ``hello``;
+* it appends one record per claim or release, in the order they happen;
+* the owner consumes the records whenever it needs current lease state:
+  before it allocates, shares, reports stats, expires leases (every
+  0.2 s), shuts down, handles any socket message from that consumer, and
+  when the consumer's connection closes (so a consumer that dies leaves
+  no record unread).
+
+Layout (little-endian)
+----------------------
+offset 0: ``u64 tail``, written only by the owner: how many records it
+has consumed. Offset 64: ``CAPACITY`` records of ``u64 value | u64 check``;
+record *n* lives at ``64 + 16 * (n % CAPACITY)``. ``value`` is
+``lease_id << 1 | kind`` (kind 0 = claim, 1 = release) and ``check`` is
+``_mix(value, n)``.
+
+Why no head counter and no memory barrier
+-----------------------------------------
+Only the consumer writes records and only the owner writes ``tail``. The
+owner consumes record ``tail`` only if its check matches its sequence
+number ``tail``: a record still being written, or left from the previous
+lap round the file, does not match and is read again later. So a record
+is published by being complete, not by a separate counter that another
+CPU might see before the record itself. The consumer writes record *n*
+only while ``n - tail < CAPACITY`` (it never overwrites a record the owner
+has not consumed); the owner stores the new ``tail`` only after reading
+and checking the records it covers (a store that depends on those loads),
+so the consumer cannot see the slot as free before it was read.
+
+Back-pressure
+-------------
+When a quarter of the journal is unconsumed the consumer nudges the owner
+with a ``("drain",)`` socket message (at most once per quarter). When it
+is full, the consumer's writer thread holds the records back, nudges and
+retries; nothing is dropped and nothing is written out of order.
+
+Where ``memfd_create`` is missing, the link falls back to sending the same
+records as batched socket messages.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+
+__all__ = ["CAPACITY", "CLAIM", "NUDGE_AT", "RELEASE", "JournalReader", "JournalWriter", "create_writer"]
+
+CLAIM, RELEASE = 0, 1
+CAPACITY = 8192  # records: 128 KiB of shared memory per consumer link
+NUDGE_AT = CAPACITY // 4
+ENABLED = True  # a link made while False uses socket messages (the fallback path; tests turn it off)
+
+_TAIL = struct.Struct("<Q")
+_RECORD = struct.Struct("<QQ")
+_RECORDS_AT = 64
+_SIZE = _RECORDS_AT + CAPACITY * _RECORD.size
+_MASK = (1 << 64) - 1
+
+
+def _mix(value: int, seq: int) -> int:
+    """A 64-bit check binding a record's value to its sequence number (splitmix64 finaliser)."""
+    x = (value ^ (seq * 0x9E3779B97F4A7C15) ^ 0x6770757368617265) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+class JournalWriter:
+    """The consumer's end. Not thread-safe: the caller serialises appends."""
+
+    def __init__(self) -> None:
+        fd = os.memfd_create("gpushare-leases", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, _SIZE)
+            self._mm = mmap.mmap(fd, _SIZE)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.fd: int | None = fd  # sent to the owner once, then closed (the mapping stays)
+        self.head = 0  # records written
+
+    def unconsumed(self) -> int:
+        """Records written and not yet consumed by the owner."""
+        return self.head - _TAIL.unpack_from(self._mm, 0)[0]
+
+    def append(self, kind: int, lease_id: int) -> None:
+        """Write one record. The caller checked ``unconsumed() < CAPACITY``."""
+        n = self.head
+        value = lease_id << 1 | kind
+        _RECORD.pack_into(self._mm, _RECORDS_AT + (n % CAPACITY) * _RECORD.size, value, _mix(value, n))
+        self.head = n + 1
+
+    def close_fd(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def close(self) -> None:
+        self.close_fd()
+        self._mm.close()
+
+
+class JournalReader:
+    """The owner's end. Not thread-safe: the owner reads under its lock."""
+
+    def __init__(self, fd: int) -> None:
+        try:
+            if os.fstat(fd).st_size != _SIZE:
+                raise ValueError("the consumer's lease journal has the wrong size")
+            self._mm = mmap.mmap(fd, _SIZE)
+        finally:
+            os.close(fd)
+        self._tail = _TAIL.unpack_from(self._mm, 0)[0]
+
+    def read(self) -> list[tuple[int, int]]:
+        """Consume every complete record: ``[(kind, lease_id), ...]`` in order."""
+        out: list[tuple[int, int]] = []
+        n = self._tail
+        mm = self._mm
+        while True:
+            value, check = _RECORD.unpack_from(mm, _RECORDS_AT + (n % CAPACITY) * _RECORD.size)
+            if check != _mix(value, n):
+                break
+            out.append((value & 1, value >> 1))
+            n += 1
+            if len(out) == CAPACITY:
+                break
+        if out:
+            self._tail = n
+            _TAIL.pack_into(mm, 0, n)
+        return out
+
+    def close(self) -> None:
+        self._mm.close()
+
+
+def create_writer() -> JournalWriter | None:
+    """A new journal, or None where shared-memory files are unavailable (use messages)."""
+    if not ENABLED or not hasattr(os, "memfd_create"):
+        return None
+    try:
+        return JournalWriter()
+    except OSError:
+        return None

@@ -1,0 +1,157 @@
+"""The lease journal: the record format in one process, then real consumers
+that overflow it, and the socket fallback when a link has no journal."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import struct
+import time
+
+import pytest
+from conftest import wait_until
+
+import gpushare as mp
+from gpushare import _journal, _lifetime
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="needs memfd_create (Linux)")
+
+
+def pair() -> tuple[_journal.JournalWriter, _journal.JournalReader]:
+    writer = _journal.JournalWriter()
+    assert writer.fd is not None
+    reader = _journal.JournalReader(os.dup(writer.fd))
+    writer.close_fd()
+    return writer, reader
+
+
+def test_records_come_back_in_order_across_many_laps() -> None:
+    writer, reader = pair()
+    expected: list[tuple[int, int]] = []
+    got: list[tuple[int, int]] = []
+    lease = 1
+    for burst in (1, 7, _journal.CAPACITY - 1, _journal.CAPACITY, 3, _journal.CAPACITY, 1000):
+        for _ in range(burst):
+            kind = lease % 2
+            assert writer.unconsumed() < _journal.CAPACITY
+            writer.append(kind, lease)
+            expected.append((kind, lease))
+            lease += 1
+        got.extend(reader.read())
+        assert writer.unconsumed() == 0
+    assert got == expected
+    assert reader.read() == []
+    writer.close()
+    reader.close()
+
+
+def test_a_full_journal_says_so_and_frees_room_as_it_is_read() -> None:
+    writer, reader = pair()
+    for i in range(_journal.CAPACITY):
+        writer.append(_journal.CLAIM, i + 1)
+    assert writer.unconsumed() == _journal.CAPACITY
+    assert len(reader.read()) == _journal.CAPACITY
+    assert writer.unconsumed() == 0
+    writer.close()
+    reader.close()
+
+
+def test_an_incomplete_record_is_not_consumed_until_it_is_whole() -> None:
+    writer, reader = pair()
+    writer.append(_journal.CLAIM, 5)
+    writer.append(_journal.RELEASE, 5)
+    # Damage the second record's check, as if its write had not landed yet.
+    mm = writer._mm
+    offset = 64 + 16 * 1 + 8
+    good = mm[offset : offset + 8]
+    mm[offset : offset + 8] = b"\0" * 8
+    assert reader.read() == [(_journal.CLAIM, 5)]
+    assert reader.read() == []
+    mm[offset : offset + 8] = good
+    assert reader.read() == [(_journal.RELEASE, 5)]
+    writer.close()
+    reader.close()
+
+
+def test_a_stale_record_from_the_previous_lap_is_not_consumed() -> None:
+    writer, reader = pair()
+    writer.append(_journal.CLAIM, 9)
+    assert reader.read() == [(_journal.CLAIM, 9)]
+    # Record 0 is still in slot 0; read as record CAPACITY it must not match.
+    struct.pack_into("<Q", writer._mm, 0, _journal.CAPACITY)
+    reader._tail = _journal.CAPACITY
+    assert reader.read() == []
+    writer.close()
+    reader.close()
+
+
+def test_the_owner_refuses_a_journal_of_the_wrong_size() -> None:
+    fd = os.memfd_create("not-a-journal")
+    os.ftruncate(fd, 4096)
+    with pytest.raises(ValueError, match="wrong size"):
+        _journal.JournalReader(fd)
+
+
+# -- real consumers --------------------------------------------------------------------
+
+
+def claim_all_then_release(data, results, journal) -> None:
+    _journal.ENABLED = journal
+    bufs = [pickle.loads(d) for d in data]  # every one a claim record
+    total = sum(float(b.numpy()[0]) for b in bufs)
+    results.put(("claimed", len(bufs), total))
+    for b in bufs:
+        b.release()  # every one a release record
+    link = next(iter(_lifetime._links.values()))
+    results.put(("journal", link._journal is not None))
+    deadline = time.monotonic() + 30
+    while link._backlog and time.monotonic() < deadline:  # the writer thread empties what did not fit
+        time.sleep(0.01)
+    results.put(("backlog", len(link._backlog)))
+
+
+@pytest.mark.parametrize("journal", [True, False], ids=["journal", "messages"])
+def test_more_records_than_the_journal_holds_all_arrive(manager, reap, journal) -> None:
+    # 5000 claims then 5000 releases: more than CAPACITY records between two owner
+    # reads, so the consumer must nudge the owner and hold records back in order.
+    n = 5000 if journal else 500
+    buf = manager.full((16,), 3.0, "float32", device="cpu")
+    data = [pickle.dumps(buf) for _ in range(n)]
+    assert manager.stats()["unclaimed_leases"] == n
+    results = mp.Queue()
+    proc = mp.Process(target=claim_all_then_release, args=(data, results, journal))
+    proc.start()
+    reap.append(proc)
+    assert results.get(timeout=60) == ("claimed", n, 3.0 * n)
+    assert results.get(timeout=30) == ("journal", journal)
+    assert results.get(timeout=60) == ("backlog", 0)
+    wait_until(lambda: manager.stats()["leases"] == 0, timeout=10)
+    assert manager.stats()["unclaimed_leases"] == 0
+    proc.join(timeout=30)
+    assert proc.exitcode == 0
+    buf.release()
+
+
+def claim_and_die(data, results) -> None:
+    bufs = [pickle.loads(d) for d in data]
+    results.put(len(bufs))
+    results.close()
+    results.join_thread()  # the answer is out before the kill
+    os.kill(os.getpid(), 9)
+
+
+def test_claims_in_the_journal_of_a_killed_consumer_are_counted_then_reclaimed(manager, reap) -> None:
+    buf = manager.zeros((16,), "float32", device="cpu")
+    first = pickle.dumps(buf)
+    data = [first] + [pickle.dumps(buf) for _ in range(20)]
+    results = mp.Queue()
+    proc = mp.Process(target=claim_and_die, args=(data, results))
+    proc.start()
+    reap.append(proc)
+    assert results.get(timeout=30) == 21
+    proc.join(timeout=30)
+    # The claims were journal records only: the owner reads them when the connection
+    # drops, so no lease is left unclaimed (to expire with a warning later).
+    wait_until(lambda: manager.stats()["leases"] == 0, timeout=5)
+    assert manager.stats()["unclaimed_leases"] == 0
+    buf.release()
