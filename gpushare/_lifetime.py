@@ -95,7 +95,7 @@ from ._errors import (
 )
 from ._service import UnixListener, accept, connect, shutdown_socket
 
-__all__ = ["Link", "Owner", "attach", "close_links", "owner_for"]
+__all__ = ["Link", "Owner", "attach", "close_link", "close_links", "owner_for"]
 
 log = logging.getLogger("gpushare")
 
@@ -741,7 +741,10 @@ class Owner:
             peers = list(self._peers.values())
         for peer in peers:
             peer.send(("bye", "the owning Manager was shut down"))
-            shutdown_socket(peer.conn.fileno())
+            try:
+                shutdown_socket(peer.conn.fileno())
+            except OSError:  # its connection closed meanwhile
+                pass
         self._stop.set()
         self._listener.close()
         self._housekeeper.join(timeout=2.0)
@@ -1136,6 +1139,15 @@ class Link:
         """Flush releases, close the connection, unmap everything."""
         self._wake.put(None)
         self._writer.join(timeout=5.0)
+        self._mark_gone("this process closed its connection to the owner (Manager shut down, or exiting)")
+        try:
+            # Shut down before closing: the reader thread is blocked reading this
+            # socket, and a close alone would neither wake it nor send EOF.
+            shutdown_socket(self.conn.fileno())
+        except OSError:
+            pass
+        if threading.current_thread() is not self._reader:
+            self._reader.join(timeout=5.0)
         try:
             self.conn.close()
             self._sock.close()
@@ -1145,7 +1157,6 @@ class Link:
             journal, self._journal = self._journal, None
         if journal is not None:
             journal.close()
-        self._mark_gone("this process closed its connection")
         with self._map_lock:
             events, self._events = self._events, {}
         for (_, device), event in events.items():
@@ -1186,6 +1197,14 @@ def link_stats() -> dict[str, Any]:
         "open_mappings": sum(link.open_mappings for link in _links.values()),
         "opens": {name: _backends.get(name).opens for name in _backends._instances},
     }
+
+
+def close_link(token: bytes) -> None:
+    """Release every lease this process holds from one owner and close that connection."""
+    with _links_lock:
+        link = _links.pop(token, None)
+    if link is not None:
+        link.close()
 
 
 def close_links() -> None:

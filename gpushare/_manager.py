@@ -2,10 +2,15 @@
 
 ``dict()``, ``list()``, ``Queue()`` and the rest work exactly as in
 :mod:`multiprocessing` (they are served by the usual manager server
-process). Buffers are different: they are allocated *in the process that
-created the Manager*, which owns them, and their lifetime is run by the
-:class:`~gpushare._lifetime.Owner` service in that process (see that
-module for the lease protocol).
+process). Buffers are different. By default (``owner="process"``) they are
+allocated *in the process that created the Manager*, which owns them, and
+their lifetime is run by the :class:`~gpushare._lifetime.Owner` service in
+that process (see that module for the lease protocol). With
+``owner="server"`` the Owner lives in the manager's server process instead
+and every Buffer a client holds is a lease on server memory, so buffers
+outlive the process that asked for them (see :mod:`gpushare._server`).
+In both modes the server process ends when the process that started it
+dies without shutting it down.
 
 Sizes are rounded up to a multiple of 2 MiB so that no two buffers ever
 share an exported driver allocation, and freed allocations go to a
@@ -15,6 +20,7 @@ size-class pool keyed by (backend, device, rounded size).
 from __future__ import annotations
 
 import math
+import warnings
 import weakref
 from multiprocessing import current_process
 from multiprocessing.managers import SyncManager
@@ -22,10 +28,11 @@ from typing import Any
 
 import numpy as np
 
-from . import _backends
+from . import _backends, _lifetime, _server
 from ._buffer import Buffer, check_dtype, check_shape
-from ._errors import ManagerClosedError
+from ._errors import LeakWarning, ManagerClosedError
 from ._lifetime import Owner
+from ._reduction import rebuild_buffer
 from ._ring import Ring, create_ring
 
 __all__ = ["GRANULARITY", "BufferManager", "round_size"]
@@ -52,6 +59,11 @@ class BufferManager(SyncManager):
         Seconds shutdown waits for workers to release their buffers (5).
     pool_limit
         Bytes of freed allocations kept for reuse (None: no limit; see trim()).
+    owner
+        ``"process"`` (default): the process that started the Manager owns the
+        memory. ``"server"``: the Manager's server process owns it, and a
+        buffer lives while any process holds it, even after the process that
+        asked for it died (see gpushare._server).
     """
 
     def __init__(
@@ -65,6 +77,7 @@ class BufferManager(SyncManager):
         lease_timeout: float = 60.0,
         release_timeout: float = 5.0,
         pool_limit: int | None = None,
+        owner: str = "process",
         **kwargs: Any,
     ) -> None:
         if ctx is None:
@@ -75,6 +88,10 @@ class BufferManager(SyncManager):
         if backend is not None:
             _backends.get(backend)  # unknown names fail here, not at first use
         self._default_backend = backend
+        if owner not in _server.OWNER_MODES:
+            raise ValueError(f"owner={owner!r}; valid: {', '.join(map(repr, _server.OWNER_MODES))}")
+        self._owner_mode = owner
+        self._server_buffers: Any = None  # owner="server": the proxy of the server's ServerBuffers
         self._owner_options: dict[str, Any] = {
             "lease_timeout": lease_timeout,
             "shutdown_timeout": release_timeout,
@@ -85,18 +102,31 @@ class BufferManager(SyncManager):
 
     # -- lifecycle -----------------------------------------------------------
     def start(self, initializer: Any = None, initargs: Any = ()) -> None:
-        super().start(initializer, initargs)
-        self._owner = Owner(authkey=bytes(current_process().authkey), **self._owner_options)
+        if initializer is not None and not callable(initializer):
+            raise TypeError("initializer must be a callable")
+        options = self._owner_options
+        super().start(_server.server_init, (self._owner_mode, options, initializer, initargs))
         server_shutdown = self.shutdown  # SyncManager.start() installs a Finalize here
-        owner = self._owner
-
         rings = self._rings
+        if self._owner_mode == "server":
+            buffers = self._server()
+
+            def shutdown_owner(timeout: float | None) -> None:
+                _lifetime.close_link(buffers.token())  # this process's buffers go first
+                for message in buffers.shutdown(timeout):
+                    warnings.warn(message, LeakWarning, stacklevel=3)
+
+        else:
+            owner = self._owner = Owner(authkey=bytes(current_process().authkey), **options)
+
+            def shutdown_owner(timeout: float | None) -> None:
+                owner.shutdown(timeout)
 
         def shutdown(timeout: float | None = None) -> None:
             try:
                 for ring in list(rings):
                     ring.close()  # consumers give their slot leases back
-                owner.shutdown(timeout)
+                shutdown_owner(timeout)
             finally:
                 server_shutdown()
 
@@ -106,6 +136,15 @@ class BufferManager(SyncManager):
         if self._owner is None:
             raise ManagerClosedError("the Manager is not started; use 'with gpushare.Manager() as m:'")
         return self._owner
+
+    def _server(self) -> Any:
+        """owner="server": the proxy of the server's ServerBuffers (made on first use)."""
+        if self._server_buffers is None:
+            try:
+                self._server_buffers = self._gpushare_buffers()  # type: ignore[attr-defined]
+            except (OSError, EOFError) as exc:
+                raise ManagerClosedError(f"the Manager's server cannot be reached ({exc}); it was shut down") from exc
+        return self._server_buffers
 
     # -- allocation ------------------------------------------------------------
     def empty(self, shape: Any, dtype: Any = "float32", device: Any = None, *, backend: str | None = None) -> Buffer:
@@ -117,6 +156,14 @@ class BufferManager(SyncManager):
             raise MemoryError(f"shape {dims} of {dt} needs {nbytes} bytes, more than any device holds")
         chosen, ordinal = _backends.resolve(device, backend or self._default_backend)
         label = f"{dims} {dt} on {'cpu' if ordinal is None else f'cuda:{ordinal}'}"
+        if self._owner_mode == "server":
+            uuid = None
+            if ordinal is not None:
+                from . import _cuda
+
+                uuid = _cuda.device_uuid(ordinal)
+            data = self._server().allocate(dims, dt.str, uuid, chosen.name, round_size(nbytes), label)
+            return rebuild_buffer(data)  # claims the lease the server took for this process
         memory = self._require_owner().allocate(chosen, round_size(nbytes), ordinal, label)
         return Buffer(memory, 0, dims, dt)
 
@@ -160,10 +207,22 @@ class BufferManager(SyncManager):
         return ring
 
     # -- observability and upkeep ------------------------------------------------------
+    @property
+    def owner(self) -> str:
+        """``"process"`` or ``"server"``: which process owns this Manager's memory."""
+        return self._owner_mode
+
     def stats(self) -> dict[str, Any]:
         """Counts of buffers, bytes, leases and consumers (see docs/design.md)."""
+        if self._owner_mode == "server":
+            return dict(self._server().stats())
         return self._require_owner().stats()
 
     def trim(self) -> int:
         """Free every pooled (unused) allocation now; return the bytes freed."""
+        if self._owner_mode == "server":
+            return int(self._server().trim())
         return self._require_owner().trim()
+
+
+BufferManager.register("_gpushare_buffers", callable=_server.server_buffers)

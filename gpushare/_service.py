@@ -95,7 +95,8 @@ class UnixListener:
     to ``handler(sock)`` on a daemon thread of its own."""
 
     def __init__(self, name: str, handler: Callable[[socket.socket], None], backlog: int = 128) -> None:
-        self._dir = tempfile.mkdtemp(prefix=f"gpushare-{name}-")
+        # The pid in the name lets the Manager's server clean up after a killed owner.
+        self._dir = tempfile.mkdtemp(prefix=f"gpushare-{name}-{os.getpid()}-")
         self.address = os.path.join(self._dir, f"{name}.sock")
         self._name = name
         self._handler = handler
