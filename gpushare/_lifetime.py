@@ -47,8 +47,10 @@ Consumer side (:class:`Link`, one per owner per process)
   raises :class:`OwnerGoneError` when touched.
 
 Wire messages are pickled tuples on an authenticated connection:
-consumer -> owner ``("hello", pid, has_journal)`` (then, if it has one, the
-journal's file descriptor by SCM_RIGHTS), ``("claim", req, lease, alloc)``
+consumer -> owner ``("hello", pid, owner token, has_journal)`` (then, if it
+has one, the journal's file descriptor by SCM_RIGHTS; a token that is not
+this owner's is answered by ``("refused", message)`` and the connection
+closed: the descriptor named another Manager), ``("claim", req, lease, alloc)``
 (first arrival of an allocation: answered), ``("drain",)`` (read my
 journal), ``("batch", [lease...], [lease...])`` (no journal: claims, then
 releases), ``("lease", req, alloc, generation, lease it came under)``
@@ -103,7 +105,7 @@ LOCAL = 0  # holder id of leases claimed inside the owner's own process
 _CLAIM, _RELEASE = _journal.CLAIM, _journal.RELEASE  # kinds of the consumer's lease records
 _NUDGE = -1  # the consumer's writer: tell the owner to read the journal
 REQUEST_TIMEOUT = 30.0
-READY_EVENTS = 4  # interprocess ready events per device and owner (see Owner._record_ready)
+READY_EVENTS = 4  # interprocess ready events per device and process (see _ReadyEvents)
 
 
 def _warn(message: str, category: type[Warning]) -> None:
@@ -220,6 +222,50 @@ class _LocalLeaseSource(_OwnerSource):
         self.owner._defer(self.owner._release_lease, self.lease_id, LOCAL)
 
 
+class _ReadyEvents:
+    """Interprocess ready events of one process: a few per device, recorded in turn.
+
+    A sharer records one on the legacy default stream (where torch's and
+    CuPy's default work runs) each time it pickles a CUDA buffer, and the
+    descriptor carries its handle; the receiver waits on it. Creating and
+    recording cost about 2 us, but opening one in another process a third
+    of a millisecond, so each process keeps ``READY_EVENTS`` per device and
+    a receiver opens each once: after that, even the first share of a new
+    allocation opens no event. A receiver that waits late may find its
+    event recorded again by a later share: it then waits for more of the
+    sharer's work, never for less.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._events: dict[int, list[tuple[Any, bytes]]] = {}
+        self._turn = itertools.count()
+
+    def record(self, device: int | None) -> bytes:
+        """Record the next event of ``device`` now; return its handle."""
+        assert device is not None
+        with self._lock:
+            events = self._events.setdefault(device, [])
+            if len(events) < READY_EVENTS:
+                events.append(_cuda.event_create_ipc(device))
+                event, handle = events[-1]
+            else:
+                event, handle = events[next(self._turn) % READY_EVENTS]
+            _cuda.event_record(event, device)
+        return handle
+
+    def close(self) -> None:
+        with self._lock:
+            events, self._events = self._events, {}
+        for device, pairs in events.items():
+            for event, _ in pairs:
+                try:
+                    _cuda.event_destroy(event, device)
+                except Exception:
+                    log.exception("gpushare: destroying a ready event failed")
+
+
+_process_ready = _ReadyEvents()  # for buffers this process re-shares (it owns none of them)
 _owners: dict[bytes, Owner] = {}
 _owners_lock = threading.Lock()
 
@@ -256,9 +302,7 @@ class Owner:
         self._peers: dict[int, _Peer] = {}
         self._unmap_waits: dict[int, dict[int, bool | None]] = {}
         self._leaked: list[_Slot] = []
-        # Per CUDA device: interprocess ready events, recorded in turn (see _record_ready).
-        self._events: dict[int, list[tuple[Any, bytes]]] = {}
-        self._event_turn = itertools.count()
+        self._ready = _ReadyEvents()
         self._ids = itertools.count(1)
         self._lease_ids = itertools.count(1)
         self._conn_ids = itertools.count(1)
@@ -378,9 +422,10 @@ class Owner:
         self._cond.notify_all()
 
     # -- leases ----------------------------------------------------------------
-    def take_lease(self, slot: _Slot, generation: int) -> tuple[int, bytes]:
+    def take_lease(self, slot: _Slot, generation: int, record: bool = True) -> tuple[int, bytes]:
         """A new unclaimed lease on ``slot`` (one pickling of a buffer), and the ready
-        event the receiver waits on (empty for host memory)."""
+        event the receiver waits on (empty for host memory, or when ``record`` is
+        false: a re-sharing process records its own)."""
         with self._lock:
             self._drain_locked()
             self._check_slot(slot)
@@ -389,31 +434,11 @@ class Owner:
             if slot.generation != generation:
                 raise DescriptorError("this buffer's allocation was recycled; it cannot be shared any more")
             slot.allocation.handle = slot.backend.export(slot.allocation)
-            event = self._record_ready(slot.allocation.device) if slot.backend.is_cuda else b""
+            event = self._ready.record(slot.allocation.device) if record and slot.backend.is_cuda else b""
             lease = _Lease(next(self._lease_ids), slot, generation, None, time.monotonic())
             self._leases[lease.lease_id] = lease
             slot.leases.add(lease.lease_id)
             return lease.lease_id, event
-
-    def _record_ready(self, device: int | None) -> bytes:
-        """Lock held. Mark, on the default stream, the point the receiver must wait for.
-
-        Interprocess events cost 2 us to create and record but a third of a
-        millisecond to open in another process, so the owner keeps a few per
-        device and records them in turn, and a consumer opens each once: after
-        that, even the first share of a new allocation opens no event. A
-        receiver that waits late may find its event recorded again by a later
-        share: it then waits for more of the producer's work, never for less.
-        """
-        assert device is not None
-        events = self._events.setdefault(device, [])
-        turn = next(self._event_turn)
-        if len(events) < READY_EVENTS:
-            events.append(_cuda.event_create_ipc(device))
-            turn = len(events) - 1
-        event, handle = events[turn % len(events)]
-        _cuda.event_record(event, device)
-        return handle
 
     def _claim(self, lease_id: int, alloc_id: int | None, holder: int) -> _Lease:
         """Lock held. ``alloc_id`` None: the claimer already maps the allocation."""
@@ -522,7 +547,8 @@ class Owner:
                     held = lease is not None and lease.slot is slot and lease.holder in (peer.conn_id, None)
                 if slot is None or not held:
                     raise DescriptorError(f"allocation {alloc_id} is not leased to this process")
-                peer.send(("ok", req, self.take_lease(slot, generation)))  # (lease id, ready event)
+                lease_id, _ = self.take_lease(slot, generation, record=False)
+                peer.send(("ok", req, lease_id))
             except (DescriptorError, ManagerClosedError) as exc:
                 peer.send(("err", req, str(exc)))
         elif kind == "fd":
@@ -553,8 +579,19 @@ class Owner:
         elif kind == "drain":
             pass  # the journal was read above
         elif kind == "hello":
-            peer.pid = int(message[1])
-            if len(message) > 2 and message[2]:
+            _, pid, token, has_journal = message
+            peer.pid = int(pid)
+            if token != self.token:
+                peer.send(
+                    (
+                        "refused",
+                        f"this buffer's descriptor names another Manager than the one serving {self.address} "
+                        "(the bytes were altered, or mixed up between Managers); send the buffer again",
+                    )
+                )
+                shutdown_socket(peer.conn.fileno())
+                return
+            if has_journal:
                 journal = _journal.JournalReader(reduction.recvfds(peer.socket(), 1)[0])
                 with self._lock:
                     peer.journal = journal
@@ -748,14 +785,7 @@ class Owner:
         self._stop.set()
         self._listener.close()
         self._housekeeper.join(timeout=2.0)
-        with self._lock:
-            events, self._events = self._events, {}
-        for device, pairs in events.items():
-            for event, _ in pairs:
-                try:
-                    _cuda.event_destroy(event, device)
-                except Exception:
-                    log.exception("gpushare: destroying a ready event failed")
+        self._ready.close()
         with _owners_lock:
             _owners.pop(self.token, None)
 
@@ -784,8 +814,14 @@ class _LeaseSource:
         self.link._note(_RELEASE, self.lease_id, memory.alloc_id)
 
     def share(self, memory: Memory) -> tuple[int, bytes]:
-        lease_id, event = self.link.request("lease", memory.alloc_id, memory.generation, self.lease_id)
-        return int(lease_id), bytes(event)
+        """Re-share a received buffer (A -> B -> C): a new lease from the owner, and a
+        ready event recorded here, after this process's own work on the buffer (and,
+        if this process never waited for the producer, after the producer's too)."""
+        lease_id = int(self.link.request("lease", memory.alloc_id, memory.generation, self.lease_id))
+        if memory.device is None:
+            return lease_id, b""
+        memory.order_stream(0)  # the legacy default stream waits for the producer's ready event
+        return lease_id, _process_ready.record(memory.device)
 
     def check(self, memory: Memory) -> None:
         refused = self.link._failed.get(self.lease_id)
@@ -809,6 +845,7 @@ class Link:
         self.token = token
         self._address = address
         self.gone: str | None = None
+        self.refused: str | None = None  # the owner said the descriptor was not its own
         self._send_lock = threading.Lock()
         self._map_lock = threading.Lock()
         self._mappings: dict[int, _backends.Mapping] = {}
@@ -842,7 +879,7 @@ class Link:
                 "exited or shut its Manager down"
             ) from exc
         self._sock = socket.socket(fileno=os.dup(self.conn.fileno()))
-        self._send(("hello", os.getpid(), self._journal is not None))
+        self._send(("hello", os.getpid(), token, self._journal is not None))
         if self._journal is not None:
             assert self._journal.fd is not None
             try:
@@ -866,6 +903,8 @@ class Link:
             raise OwnerGoneError(f"the owner of this buffer is gone ({self.gone})") from exc
 
     def request(self, kind: str, *args: Any) -> Any:
+        if self.refused is not None:
+            raise DescriptorError(self.refused)
         if self.gone is not None:
             raise OwnerGoneError(f"the owner of this buffer is gone ({self.gone})")
         req = next(self._reqs)
@@ -883,6 +922,8 @@ class Link:
             return slot[2]
         if slot[1] == "err":
             raise DescriptorError(slot[2])
+        if self.refused is not None:
+            raise DescriptorError(self.refused)
         raise OwnerGoneError(f"the owner of this buffer is gone ({self.gone})")
 
     def _read_loop(self) -> None:
@@ -910,6 +951,10 @@ class Link:
                 elif kind == "claim_failed":
                     self._failed[message[1]] = message[2]
                 elif kind == "bye":
+                    self._mark_gone(message[1])
+                    return
+                elif kind == "refused":
+                    self.refused = message[1]
                     self._mark_gone(message[1])
                     return
         except (EOFError, OSError):

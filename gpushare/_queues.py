@@ -14,15 +14,29 @@ the feeder pickles it, so it is put as it is; a Buffer is replaced by its
 reduction (the lease is taken now, and it pickles once, exactly as the
 buffer would); anything else is pickled in ``put()`` and unpickled by the
 receiver in one extra step.
+
+A blocking ``get()`` also watches the process that created the queue.
+With :mod:`multiprocessing`, a consumer waiting on a queue whose producer
+was killed waits forever (the consumer itself holds a write end of the
+pipe, so it never sees EOF). Here, once the creating process is gone and
+the queue is empty, ``get()`` raises
+:class:`~gpushare._errors.OwnerGoneError` within about
+``WATCH_INTERVAL`` seconds; items put before it died are still delivered
+first, and a queue still fed by other living processes keeps working
+while items keep coming.
 """
 
 from __future__ import annotations
 
-from multiprocessing import queues
+import os
+import queue
+import time
+from multiprocessing import parent_process, queues
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from ._buffer import Buffer
+from ._errors import OwnerGoneError
 from ._reduction import reduce_buffer
 
 __all__ = ["JoinableQueue", "Queue"]
@@ -72,15 +86,62 @@ class _Pickled:
         return (ForkingPickler.loads, (self.data,))
 
 
-class Queue(queues.Queue):  # type: ignore[type-arg]
-    """``multiprocessing.Queue`` that pickles each item in ``put()``."""
+WATCH_INTERVAL = 0.5  # seconds a blocking get() waits between checks that the creator lives
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` is running (a zombie counts as gone)."""
+    parent = parent_process()
+    if parent is not None and parent.pid == pid:
+        return parent.is_alive()
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
+
+
+class _CaptureAndWatch:
+    """put() captures the item now; a blocking get() notices a dead creator."""
+
+    _opid: int  # multiprocessing's: the pid of the process that made the queue
 
     def put(self, obj: Any, block: bool = True, timeout: float | None = None) -> None:
-        super().put(_capture(obj), block, timeout)
+        super().put(_capture(obj), block, timeout)  # type: ignore[misc]
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        get = super().get  # type: ignore[misc]
+        if not block:
+            return get(False)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            wait = WATCH_INTERVAL if deadline is None else min(WATCH_INTERVAL, max(0.0, deadline - time.monotonic()))
+            try:
+                return get(True, wait)
+            except queue.Empty:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
+            if self._opid != os.getpid() and not _alive(self._opid):
+                try:
+                    return get(False)  # what it put before it died comes first
+                except queue.Empty:
+                    raise OwnerGoneError(
+                        f"the process that created this queue (pid {self._opid}) is gone and the queue is "
+                        "empty; nothing more will come from it. Its buffers' memory may be gone too; "
+                        "end this worker, or use Manager(owner='server') for buffers that outlive it"
+                    ) from None
 
 
-class JoinableQueue(queues.JoinableQueue):  # type: ignore[type-arg]
-    """``multiprocessing.JoinableQueue`` that pickles each item in ``put()``."""
+class Queue(_CaptureAndWatch, queues.Queue):  # type: ignore[type-arg]
+    """``multiprocessing.Queue`` that pickles each item in ``put()`` and whose ``get()``
+    raises OwnerGoneError instead of waiting forever for a dead creator."""
 
-    def put(self, obj: Any, block: bool = True, timeout: float | None = None) -> None:
-        super().put(_capture(obj), block, timeout)
+
+class JoinableQueue(_CaptureAndWatch, queues.JoinableQueue):  # type: ignore[type-arg]
+    """``multiprocessing.JoinableQueue``, with the same two changes as :class:`Queue`."""
