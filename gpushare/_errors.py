@@ -4,8 +4,11 @@ Every exception raised on purpose by gpushare derives from
 :class:`GpushareError`, and each subclass says *who* broke what:
 
 * :class:`CUDAError` -- the CUDA driver refused a call (it carries the
-  driver's error name and text); :class:`CUDAOutOfMemoryError` is also a
-  :class:`MemoryError`.
+  driver's error name and text).
+* :class:`OutOfMemoryError` (also a :class:`MemoryError`) -- no room for an
+  allocation, after the Manager freed its pool of unused allocations on
+  that device and tried again: :class:`CUDAOutOfMemoryError` on a GPU
+  (also a :class:`CUDAError`), the base class itself for host memory.
 * :class:`NoDeviceError` -- no driver, no GPU, or a device that does not exist.
 * :class:`BufferReleasedError` -- closed by you: the buffer was released in
   this process and its memory may no longer be touched from here.
@@ -37,6 +40,7 @@ __all__ = [
     "LeaseExpiredWarning",
     "ManagerClosedError",
     "NoDeviceError",
+    "OutOfMemoryError",
     "OwnerGoneError",
     "RingClosedError",
     "StartMethodError",
@@ -68,7 +72,11 @@ class CUDAError(GpushareError):
         return (type(self), (self.call, self.code, self.name, self.text))
 
 
-class CUDAOutOfMemoryError(CUDAError, MemoryError):
+class OutOfMemoryError(GpushareError, MemoryError):
+    """No room for an allocation (device or host shared memory)."""
+
+
+class CUDAOutOfMemoryError(CUDAError, OutOfMemoryError):
     """The device has no room for the allocation (CUDA_ERROR_OUT_OF_MEMORY)."""
 
 

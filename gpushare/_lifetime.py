@@ -372,7 +372,16 @@ class Owner:
                 slot.generation += 1
                 self.reused += 1
         if slot is None:
-            allocation = backend.allocate(nbytes, device)
+            try:
+                allocation = backend.allocate(nbytes, device)
+            except MemoryError as exc:
+                freed = self._trim_device(backend, device)
+                if not freed:
+                    raise
+                try:  # once more, now that the pool's unused memory on this device is free
+                    allocation = backend.allocate(nbytes, device)
+                except MemoryError as again:
+                    raise again from exc
             slot = _Slot(next(self._ids), allocation, backend)
         with self._lock:
             self._slots[slot.alloc_id] = slot
@@ -704,9 +713,16 @@ class Owner:
 
     def trim(self) -> int:
         """Free every pooled allocation; return the bytes given back."""
+        return self._trim(lambda slot: True)
+
+    def _trim_device(self, backend: _backends.Backend, device: int | None) -> int:
+        """Free the pooled allocations that share ``device``'s memory (out-of-memory retry)."""
+        return self._trim(lambda slot: slot.backend.is_cuda == backend.is_cuda and slot.allocation.device == device)
+
+    def _trim(self, which: Callable[[_Slot], bool]) -> int:
         with self._lock:
             self._drain_locked()
-            victims = [s for lst in self._pool.values() for s in lst]
+            victims = [s for lst in self._pool.values() for s in lst if which(s)]
             for slot in victims:
                 self._unpool_locked(slot)
         return sum(slot.allocation.nbytes for slot in victims if self._destroy(slot))

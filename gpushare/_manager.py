@@ -30,7 +30,7 @@ import numpy as np
 
 from . import _backends, _lifetime, _server
 from ._buffer import Buffer, check_dtype, check_shape
-from ._errors import LeakWarning, ManagerClosedError
+from ._errors import LeakWarning, ManagerClosedError, OutOfMemoryError
 from ._lifetime import Owner
 from ._reduction import rebuild_buffer
 from ._ring import Ring, create_ring
@@ -153,7 +153,7 @@ class BufferManager(SyncManager):
         dt = check_dtype(dtype)
         nbytes = math.prod(dims) * dt.itemsize
         if nbytes > _MAX_BYTES:
-            raise MemoryError(f"shape {dims} of {dt} needs {nbytes} bytes, more than any device holds")
+            raise OutOfMemoryError(f"shape {dims} of {dt} needs {nbytes} bytes, more than any device holds")
         chosen, ordinal = _backends.resolve(device, backend or self._default_backend)
         label = f"{dims} {dt} on {'cpu' if ordinal is None else f'cuda:{ordinal}'}"
         if self._owner_mode == "server":

@@ -1,8 +1,12 @@
 """The ``host`` backend: POSIX shared memory with the same contract as CUDA.
 
 Used on machines without a GPU and for ``device="cpu"`` buffers. The owner
-creates a segment with ``shm_open`` + ``ftruncate`` + ``mmap``; the handle
-is the segment's name; a consumer maps it by name.
+creates a segment with ``shm_open`` + ``ftruncate`` + ``posix_fallocate``
++ ``mmap``; the handle is the segment's name; a consumer maps it by name.
+``posix_fallocate`` reserves the pages up front: tmpfs accepts a sparse
+segment far larger than it can hold, and touching a page it then cannot
+back kills the process with SIGBUS, so an allocation /dev/shm cannot hold
+must fail at once, with :class:`~gpushare._errors.OutOfMemoryError`.
 
 Who destroys is decided once: only the owner unlinks, exactly once, in
 :meth:`HostBackend.free`. Consumers only unmap. The owner registers each
@@ -28,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from .._errors import OutOfMemoryError
 from . import _base
 
 try:  # CPython's own binding of shm_open/shm_unlink (POSIX only)
@@ -70,12 +75,14 @@ class HostBackend(_base.Backend):
         try:
             try:
                 os.ftruncate(fd, nbytes)
+                if hasattr(os, "posix_fallocate"):
+                    os.posix_fallocate(fd, 0, nbytes)
                 mm = mmap.mmap(fd, nbytes)
             except OSError as exc:
                 _posixshmem.shm_unlink(name)
-                raise MemoryError(
-                    f"could not create {nbytes} bytes of shared memory ({exc}); free buffers, "
-                    "call Manager.trim(), or enlarge /dev/shm"
+                raise OutOfMemoryError(
+                    f"could not create {nbytes} bytes of host shared memory ({exc}); release buffers, "
+                    "or enlarge /dev/shm (e.g. docker run --shm-size=...)"
                 ) from exc
         finally:
             os.close(fd)
