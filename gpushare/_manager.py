@@ -20,9 +20,10 @@ size-class pool keyed by (backend, device, rounded size).
 from __future__ import annotations
 
 import math
+import threading
 import warnings
 import weakref
-from multiprocessing import current_process
+from multiprocessing import current_process, util
 from multiprocessing.managers import SyncManager
 from typing import Any
 
@@ -122,7 +123,12 @@ class BufferManager(SyncManager):
             def shutdown_owner(timeout: float | None) -> None:
                 owner.shutdown(timeout)
 
+        done = threading.Event()
+
         def shutdown(timeout: float | None = None) -> None:
+            if done.is_set():
+                return
+            done.set()
             try:
                 for ring in list(rings):
                     ring.close()  # consumers give their slot leases back
@@ -131,6 +137,11 @@ class BufferManager(SyncManager):
                 server_shutdown()
 
         self.shutdown = shutdown  # type: ignore[method-assign,assignment]
+        # Also when the Manager is collected, or at exit: after pools terminate their
+        # workers (priority 15), before gpushare's queues announce their creator's exit
+        # (10) and the stdlib's own finalizer stops the server (0). Workers still
+        # holding buffers get the bounded wait and the leak report, then "bye".
+        util.Finalize(self, shutdown, exitpriority=12)
 
     def _require_owner(self) -> Owner:
         if self._owner is None:

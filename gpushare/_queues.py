@@ -15,15 +15,23 @@ reduction (the lease is taken now, and it pickles once, exactly as the
 buffer would); anything else is pickled in ``put()`` and unpickled by the
 receiver in one extra step.
 
-A blocking ``get()`` also watches the process that created the queue.
+``get()`` also ends when the process that created the queue is gone.
 With :mod:`multiprocessing`, a consumer waiting on a queue whose producer
-was killed waits forever (the consumer itself holds a write end of the
-pipe, so it never sees EOF). Here, once the creating process is gone and
-the queue is empty, ``get()`` raises
-:class:`~gpushare._errors.OwnerGoneError` within about
-``WATCH_INTERVAL`` seconds; items put before it died are still delivered
-first, and a queue still fed by other living processes keeps working
-while items keep coming.
+died waits forever (the consumer itself holds a write end of the pipe, so
+it never sees EOF), and a producer that returns waits forever at exit to
+join that consumer. Here, either way, the consumer's ``get()`` raises
+:class:`~gpushare._errors.OwnerGoneError` once it has received everything
+put before, and never before:
+
+* a creator that put items and exits normally puts an end-of-queue marker
+  behind them in its exit handlers (``EXIT_PRIORITY``, after the Manager's
+  shutdown told workers its buffers are gone); the consumer that reads it
+  leaves it in the queue for the next one;
+* a creator that is killed is noticed by a blocking ``get()``, which checks
+  every ``WATCH_INTERVAL`` seconds, once the queue is empty.
+
+A queue still fed by other living processes keeps working while items keep
+coming.
 """
 
 from __future__ import annotations
@@ -31,13 +39,14 @@ from __future__ import annotations
 import os
 import queue
 import time
-from multiprocessing import parent_process, queues
+from multiprocessing import queues, util
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from ._buffer import Buffer
 from ._errors import OwnerGoneError
 from ._reduction import reduce_buffer
+from ._service import process_alive
 
 __all__ = ["JoinableQueue", "Queue"]
 
@@ -87,35 +96,82 @@ class _Pickled:
 
 
 WATCH_INTERVAL = 0.5  # seconds a blocking get() waits between checks that the creator lives
+# The end-of-queue marker goes out at exit after the Manager's shutdown (priority 12) and
+# just before the queue's own close (stdlib, priority 10, registered earlier).
+EXIT_PRIORITY = 10
 
 
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` is running (a zombie counts as gone)."""
-    parent = parent_process()
-    if parent is not None and parent.pid == pid:
-        return parent.is_alive()
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return True
+class _CreatorExited:
+    """The end-of-queue marker: the creating process exited after putting what came before."""
+
+    __slots__ = ("pid",)
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def __reduce__(self) -> tuple[Any, tuple[int]]:
+        return (_CreatorExited, (self.pid,))
+
+
+def _announce_exit(buffer: Any, notempty: Any, sem: Any) -> None:
+    """The creator exits, or drops the queue: the marker goes behind everything it put.
+
+    Runs before the stdlib's own close of the queue (both at exit and when the
+    queue is collected), whose feeder thread then sends it like any item. A
+    full bounded queue gets no marker (this must not block); its consumers
+    notice the creator's death by watching it instead.
+    """
+    if not sem.acquire(False):  # the slot get() gives back when it takes the marker
+        return
+    with notempty:
+        buffer.append(_CreatorExited(os.getpid()))
+        notempty.notify()
 
 
 class _CaptureAndWatch:
-    """put() captures the item now; a blocking get() notices a dead creator."""
+    """put() captures the item now; get() ends when the creator is gone."""
 
     _opid: int  # multiprocessing's: the pid of the process that made the queue
+    _closed: bool
+
+    _buffer: Any
+    _notempty: Any
+    _sem: Any
 
     def put(self, obj: Any, block: bool = True, timeout: float | None = None) -> None:
         super().put(_capture(obj), block, timeout)  # type: ignore[misc]
+        if self._opid == os.getpid() and not getattr(self, "_announces_exit", False):
+            # After the first put started the feeder and registered the stdlib's close,
+            # so that this runs first (later registrations run first, at exit and on collection).
+            self._announces_exit = True
+            util.Finalize(
+                self, _announce_exit, args=(self._buffer, self._notempty, self._sem), exitpriority=EXIT_PRIORITY
+            )
 
     def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        item = self._get(block, timeout)
+        if type(item) is _CreatorExited:
+            self._pass_on(item)
+            raise OwnerGoneError(
+                f"the process that created this queue (pid {item.pid}) exited; nothing more will come "
+                "from it, and its buffers' memory is gone with it. End this worker, or use "
+                "Manager(owner='server') for buffers that outlive their producer"
+            )
+        return item
+
+    def _pass_on(self, marker: _CreatorExited) -> None:
+        """Leave the marker in the queue for the next consumer."""
+        if hasattr(self, "task_done"):
+            try:
+                self.task_done()
+            except ValueError:  # the marker was not counted (put at exit, past JoinableQueue.put)
+                pass
+        try:
+            super().put(marker)  # type: ignore[misc]
+        except (ValueError, OSError, AssertionError):
+            pass
+
+    def _get(self, block: bool, timeout: float | None) -> Any:
         get = super().get  # type: ignore[misc]
         if not block:
             return get(False)
@@ -127,7 +183,7 @@ class _CaptureAndWatch:
             except queue.Empty:
                 if deadline is not None and time.monotonic() >= deadline:
                     raise
-            if self._opid != os.getpid() and not _alive(self._opid):
+            if self._opid != os.getpid() and not process_alive(self._opid):
                 try:
                     return get(False)  # what it put before it died comes first
                 except queue.Empty:
@@ -140,7 +196,7 @@ class _CaptureAndWatch:
 
 class Queue(_CaptureAndWatch, queues.Queue):  # type: ignore[type-arg]
     """``multiprocessing.Queue`` that pickles each item in ``put()`` and whose ``get()``
-    raises OwnerGoneError instead of waiting forever for a dead creator."""
+    raises OwnerGoneError instead of waiting forever for a creator that is gone."""
 
 
 class JoinableQueue(_CaptureAndWatch, queues.JoinableQueue):  # type: ignore[type-arg]

@@ -95,7 +95,8 @@ def _watch() -> None:
         while os.getppid() == parent_pid:
             time.sleep(POLL)
     if parent_pid is not None:
-        remove_stale_sockets(parent_pid)
+        # Its sockets close with its last thread, a little after the sentinel fires.
+        remove_stale_sockets(parent_pid, settle=5.0)
     if _mode == "server":
         owner = _buffers.owner if _buffers is not None else None
         while owner is not None and owner.stats()["leases"]:
@@ -112,30 +113,40 @@ def _at_exit() -> None:
         _buffers.owner.shutdown(0.0)
 
 
-def remove_stale_sockets(pid: int) -> list[str]:
+def remove_stale_sockets(pid: int, settle: float = 0.0) -> list[str]:
     """Remove socket directories left by process ``pid`` whose socket no longer answers.
 
     Only this user's directories made by gpushare's listeners (``gpushare-*-<pid>-*``
-    in the temporary directory, holding nothing but ``*.sock``) are touched.
-    Returns the directories removed.
+    in the temporary directory, holding nothing but ``*.sock``) are touched. A
+    socket that still answers is looked at again for up to ``settle`` seconds
+    (a dying process closes its files last). Returns the directories removed.
     """
     removed = []
-    for path in glob.glob(os.path.join(tempfile.gettempdir(), f"gpushare-*-{int(pid)}-*")):
-        try:
-            info = os.lstat(path)
-            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+    deadline = time.monotonic() + settle
+    pending = glob.glob(os.path.join(tempfile.gettempdir(), f"gpushare-*-{int(pid)}-*"))
+    while pending:
+        answering = []
+        for path in pending:
+            try:
+                info = os.lstat(path)
+                if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+                    continue
+                entries = os.listdir(path)
+                if any(not name.endswith(".sock") for name in entries):
+                    continue
+                if any(_answers(os.path.join(path, name)) for name in entries):
+                    answering.append(path)
+                    continue
+                for name in entries:
+                    os.unlink(os.path.join(path, name))
+                os.rmdir(path)
+                removed.append(path)
+            except OSError:
                 continue
-            entries = os.listdir(path)
-            if any(not name.endswith(".sock") for name in entries):
-                continue
-            if any(_answers(os.path.join(path, name)) for name in entries):
-                continue
-            for name in entries:
-                os.unlink(os.path.join(path, name))
-            os.rmdir(path)
-            removed.append(path)
-        except OSError:
-            continue
+        if not answering or time.monotonic() >= deadline:
+            break
+        pending = answering
+        time.sleep(0.02)
     return removed
 
 

@@ -22,11 +22,43 @@ import struct
 import tempfile
 import threading
 from collections.abc import Callable
-from multiprocessing import connection
+from multiprocessing import connection, parent_process
 
-__all__ = ["HANDSHAKE_TIMEOUT", "UnixListener", "accept", "connect", "shutdown_socket", "socket_timeouts"]
+__all__ = [
+    "HANDSHAKE_TIMEOUT",
+    "UnixListener",
+    "accept",
+    "connect",
+    "process_alive",
+    "shutdown_socket",
+    "socket_timeouts",
+]
 
 HANDSHAKE_TIMEOUT = 10.0
+
+
+def process_alive(pid: int, *, sentinel: bool = True) -> bool:
+    """Whether process ``pid`` still runs. A zombie counts as gone: it has closed
+    every file and socket it had, which is what a peer waits for.
+
+    For this process's parent the answer comes from multiprocessing's sentinel
+    (cheap, but it reports the parent gone as soon as it *starts* closing its
+    files); ``sentinel=False`` asks the kernel instead.
+    """
+    parent = parent_process()
+    if sentinel and parent is not None and parent.pid == pid:
+        return parent.is_alive()
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
 
 
 def socket_timeouts(fd: int, recv: float, send: float) -> None:

@@ -79,6 +79,20 @@ def manager() -> Iterator[mp.BufferManager]:
         yield m
 
 
+#: The backends every contract and fault test runs on: host everywhere, CUDA ones on a GPU.
+BACKENDS = [
+    pytest.param("host", id="host"),
+    pytest.param("cuda_ipc", id="cuda_ipc", marks=pytest.mark.gpu),
+    pytest.param("cuda_vmm", id="cuda_vmm", marks=pytest.mark.gpu),
+    pytest.param("cuda_pool", id="cuda_pool", marks=pytest.mark.gpu),
+]
+CUDA_BACKENDS = [p for p in BACKENDS if p.id != "host"]
+
+
+def device_for(backend: str) -> int | str:
+    return "cpu" if backend == "host" else 0
+
+
 def wait_until(predicate: Callable[[], object], timeout: float = 5.0, interval: float = 0.02) -> None:
     """Poll until ``predicate()`` is true; fail the test after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout

@@ -1,0 +1,428 @@
+"""Fault injection: every failure has a defined, tested outcome, on every backend.
+
+Each case kills, starves or abandons a real process and asserts two
+things: what the user sees (which error, how soon) and what is left (leases,
+pooled memory, server processes, socket directories). The host backend
+runs everywhere, CI included; the CUDA backends run on a GPU machine
+(``--require-gpu``). docs/reliability.md maps each case to its test.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import pickle
+import queue
+import signal
+import time
+import traceback
+
+import numpy as np
+import pytest
+from conftest import BACKENDS, device_for, wait_until
+
+import gpushare as mp
+
+T = 60  # seconds any single wait in a worker may take
+N = 1024  # float32 elements per test buffer
+
+
+# -- workers (module level: spawn imports this module) ----------------------------------
+
+
+def guarded(fn, out, *args) -> None:
+    try:
+        fn(out, *args)
+    except BaseException:
+        out.put(("error", traceback.format_exc()))
+        raise
+
+
+def total(buf) -> float:
+    return float(buf.numpy().astype(np.float64).sum())
+
+
+def w_hold_forever(out, jobs, n) -> None:
+    held = [jobs.get(timeout=T) for _ in range(n)]
+    out.put(("holding", [total(b) for b in held]))
+    time.sleep(T)
+
+
+def w_hold_until_told(out, jobs, control) -> None:
+    buf = jobs.get(timeout=T)
+    out.put(("holding", total(buf)))
+    control.get(timeout=T)
+    out.put(("after", total(buf)))
+    buf.release()
+    out.put(("released",))
+
+
+def w_hold_and_return(out, jobs) -> None:
+    buf = jobs.get(timeout=T)
+    out.put(("holding", total(buf)))
+    # returns without releasing: the exit must give the lease back
+
+
+def w_touch_when_told(out, jobs, control) -> None:
+    buf = jobs.get(timeout=T)
+    out.put(("holding", total(buf)))
+    control.get(timeout=T)
+    try:
+        total(buf)
+    except mp.GpushareError as exc:
+        out.put((type(exc).__name__, str(exc)))
+    else:
+        out.put(("no error", ""))
+
+
+def w_relay(out, jobs, forward) -> None:
+    buf = jobs.get(timeout=T)
+    forward.put(buf)  # B re-shares what it got from A, then lets go of its own lease
+    buf.release()
+    out.put(("relayed",))
+
+
+def w_unpickle(out, data) -> None:
+    try:
+        buf = pickle.loads(data)
+    except mp.GpushareError as exc:
+        out.put((type(exc).__name__, str(exc)))
+    else:
+        out.put(("ok", total(buf)))
+
+
+def w_orphaned_consumer(out, work, ready) -> None:
+    """Child of the producer: holds a buffer, then blocks on the producer's queue."""
+    buf = work.get(timeout=T)
+    held = total(buf)
+    ready.put("holding")
+    started = time.monotonic()
+    try:
+        item = work.get(timeout=T)
+    except mp.OwnerGoneError as exc:
+        out.put(("queue", "OwnerGoneError", time.monotonic() - started, str(exc)))
+    except queue.Empty:
+        out.put(("queue", "Empty", time.monotonic() - started, ""))
+    else:
+        out.put(("queue", f"got {item!r}", 0.0, ""))
+    deadline = time.monotonic() + T  # an owner still shutting down answers until it is gone
+    while True:
+        try:
+            total(buf)
+        except mp.OwnerGoneError as exc:
+            out.put(("touch", "OwnerGoneError", held, str(exc)))
+            return
+        if time.monotonic() > deadline:
+            out.put(("touch", "no error", held, ""))
+            return
+        time.sleep(0.02)
+
+
+def w_producer(out, backend, how) -> None:
+    """Makes a Manager, hands a buffer to its own consumer, then dies (``how``)."""
+    device = device_for(backend)
+    m = mp.Manager(release_timeout=0.5)
+    buf = m.full((N,), 5.0, "float32", device=device, backend=backend)
+    work, ready = mp.Queue(), mp.Queue()
+    consumer = mp.Process(target=guarded, args=(w_orphaned_consumer, out, work, ready), device=device)
+    consumer.start()
+    work.put(buf)
+    ready.get(timeout=T)
+    address = m._owner.address
+    out.put(("pids", consumer.pid, m._process.pid, os.path.dirname(address)))
+    if how == "sigkill":
+        time.sleep(T)  # the test kills this process
+    # "return": exit with the Manager still open and the consumer still holding the buffer
+
+
+def w_drain(out, work, ready) -> None:
+    ready.put("started")
+    got = []
+    try:
+        while True:
+            got.append(work.get(timeout=T))
+    except mp.OwnerGoneError as exc:
+        out.put(("drained", got, str(exc)))
+
+
+def w_put_and_return(out, kind, n) -> None:
+    """Puts n items on a queue its own consumer reads, then returns (exit runs its finalizers)."""
+    work, ready = getattr(mp, kind)(), mp.Queue()
+    consumer = mp.Process(target=guarded, args=(w_drain, out, work, ready))
+    consumer.start()
+    for i in range(n):
+        work.put(("item", i))
+    ready.get(timeout=T)  # a spawned child must have unpickled its queues before their creator goes
+    out.put(("consumer", consumer.pid))
+
+
+def w_server_producer(out, weights, backend) -> None:
+    """owner="server": allocates the weights, hands them on, then is killed."""
+    m = mp.Manager(owner="server")
+    buf = m.full((N,), 7.0, "float32", device=device_for(backend), backend=backend)
+    weights.put(buf)
+    out.put(("server", m._process.pid))
+    time.sleep(T)
+
+
+# -- helpers ------------------------------------------------------------------------------
+
+
+def start(reap, fn, out, *args, device=None):
+    proc = mp.Process(target=guarded, args=(fn, out, *args), device=device)
+    proc.start()
+    reap.append(proc)
+    return proc
+
+
+def recv(out, timeout=T):
+    msg = out.get(timeout=timeout)
+    if msg[0] == "error":
+        pytest.fail(f"worker failed:\n{msg[1]}")
+    return msg
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return False
+
+
+def kill_quietly(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+# -- consumer faults ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_consumer_sigkilled_while_holding_buffers(manager, reap, backend) -> None:
+    device = device_for(backend)
+    a = manager.full((N,), 1.0, "float32", device=device, backend=backend)
+    b = manager.full((N,), 2.0, "float32", device=device, backend=backend)
+    # Separate queues: a process killed inside get() dies holding that queue's lock.
+    victim_jobs, survivor_jobs, control, out = mp.Queue(), mp.Queue(), mp.Queue(), mp.Queue()
+    victim = start(reap, w_hold_forever, out, victim_jobs, 2, device=device)
+    start(reap, w_hold_until_told, out, survivor_jobs, control, device=device)
+    victim_jobs.put(a)
+    victim_jobs.put(b)
+    survivor_jobs.put(a)
+    seen = sorted([recv(out), recv(out)], key=str)
+    assert seen == [("holding", 1024.0), ("holding", [1024.0, 2048.0])]
+    assert manager.stats()["leases"] == 3
+
+    killed = time.monotonic()
+    os.kill(victim.pid, signal.SIGKILL)
+    wait_until(lambda: manager.stats()["leases"] == 1, timeout=2.0, interval=0.005)
+    reclaimed = time.monotonic() - killed
+    assert reclaimed < 1.0, f"leases came back {reclaimed:.2f} s after the kill"
+
+    control.put("go")  # the other consumer is unaffected
+    assert recv(out) == ("after", 1024.0)
+    assert recv(out) == ("released",)
+    wait_until(lambda: manager.stats()["leases"] == 0)
+
+    a.release()
+    b.release()
+    gc.collect()
+    stats = manager.stats()
+    assert stats["pooled_buffers"] == 2 and stats["leaked_buffers"] == 0
+    again = manager.full((N,), 3.0, "float32", device=device, backend=backend)  # the memory is reusable
+    assert manager.stats()["reused"] == stats["reused"] + 1
+    assert total(again) == 3.0 * N
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_consumer_exits_without_releasing(manager, reap, backend) -> None:
+    device = device_for(backend)
+    buf = manager.full((N,), 1.0, "float32", device=device, backend=backend)
+    jobs, out = mp.Queue(), mp.Queue()
+    proc = start(reap, w_hold_and_return, out, jobs, device=device)
+    jobs.put(buf)
+    assert recv(out) == ("holding", 1024.0)
+    proc.join(timeout=T)
+    assert proc.exitcode == 0
+    wait_until(lambda: manager.stats()["leases"] == 0, timeout=2.0)
+    assert manager.stats()["consumers"] == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_unclaimed_lease_expires_with_a_warning(reap, backend) -> None:
+    device = device_for(backend)
+    with mp.Manager(lease_timeout=0.3) as m:
+        buf = m.full((N,), 1.0, "float32", device=device, backend=backend)
+        data = pickle.dumps(buf)  # a message that is never delivered
+        assert m.stats()["unclaimed_leases"] == 1
+        with pytest.warns(mp.LeaseExpiredWarning, match="never claimed"):
+            deadline = time.monotonic() + 5
+            while m.stats()["leases"] and time.monotonic() < deadline:
+                time.sleep(0.05)
+        assert m.stats()["leases"] == 0
+        buf.release()
+        assert m.stats()["pooled_buffers"] == 1  # the expired lease no longer pins the memory
+        out = mp.Queue()
+        start(reap, w_unpickle, out, data, device=device)
+        kind, message = recv(out)
+        assert kind == "DescriptorError" and "unknown" in message
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_relay_a_to_b_to_c_keeps_the_accounting(manager, reap, backend) -> None:
+    device = device_for(backend)
+    buf = manager.full((N,), 2.0, "float32", device=device, backend=backend)
+    jobs, forward, control, out = mp.Queue(), mp.Queue(), mp.Queue(), mp.Queue()
+    start(reap, w_relay, out, jobs, forward, device=device)
+    start(reap, w_hold_until_told, out, forward, control, device=device)
+    jobs.put(buf)
+    assert sorted([recv(out), recv(out)], key=str) == [("holding", 2048.0), ("relayed",)]
+    wait_until(lambda: manager.stats()["leases"] == 1)  # B's lease went back; C holds its own
+    buf.fill(3.0)  # the memory is shared, not copied, all the way to C
+    control.put("go")
+    assert recv(out) == ("after", 3072.0)
+    assert recv(out) == ("released",)
+    wait_until(lambda: manager.stats()["leases"] == 0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_shutdown_with_outstanding_leases_is_bounded_and_names_them(reap, backend) -> None:
+    device = device_for(backend)
+    jobs, control, out = mp.Queue(), mp.Queue(), mp.Queue()
+    proc = start(reap, w_touch_when_told, out, jobs, control, device=device)
+    m = mp.Manager(release_timeout=0.3)
+    jobs.put(m.full((N,), 1.0, "float32", device=device, backend=backend))
+    assert recv(out) == ("holding", 1024.0)
+    label = rf"allocation 1 \(\({N},\) float32 on {'cpu' if device == 'cpu' else 'cuda:0'}\)"
+    started = time.monotonic()
+    with pytest.warns(mp.LeakWarning, match=rf"{label}, held by pid {proc.pid}"):
+        m.shutdown()
+    assert time.monotonic() - started < 3.0
+    control.put("go")
+    kind, message = recv(out)
+    assert kind == "OwnerGoneError" and "shut down" in message
+
+
+# -- producer faults --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["sigkill", "return"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_producer_dies_first(reap, backend, how) -> None:
+    out = mp.Queue()
+    producer = start(reap, w_producer, out, backend, how, device=device_for(backend))
+    _, consumer_pid, server_pid, socket_dir = recv(out)
+    try:
+        assert os.path.isdir(socket_dir)
+        died = time.monotonic()
+        if how == "sigkill":
+            os.kill(producer.pid, signal.SIGKILL)
+        producer.join(timeout=T)
+        # The consumer blocked on the dead producer's queue hears of it, within a bound ...
+        where, what, _, message = recv(out)
+        assert (where, what) == ("queue", "OwnerGoneError"), message
+        assert time.monotonic() - died < 5.0
+        assert f"pid {producer.pid}" in message
+        # ... and the buffer it held refuses to be touched instead of reaching freed memory.
+        where, what, held, message = recv(out)
+        assert (where, what, held) == ("touch", "OwnerGoneError", 5.0 * N), message
+        # Nothing is left: not the manager's server process, not the owner's socket directory.
+        wait_until(lambda: not alive(server_pid), timeout=5.0)
+        wait_until(lambda: not os.path.exists(socket_dir), timeout=5.0)
+    finally:
+        kill_quietly(consumer_pid)
+        kill_quietly(server_pid)
+
+
+@pytest.mark.parametrize("kind", ["Queue", "JoinableQueue"])
+def test_a_queue_ends_after_everything_its_exited_creator_put(reap, kind) -> None:
+    out = mp.Queue()
+    producer = start(reap, w_put_and_return, out, kind, 3)
+    _, consumer_pid = recv(out)
+    try:
+        producer.join(timeout=T)
+        assert producer.exitcode == 0  # it did not hang at exit joining its consumer
+        _, got, message = recv(out)
+        assert got == [("item", 0), ("item", 1), ("item", 2)]
+        assert f"pid {producer.pid}" in message and "exited" in message
+    finally:
+        kill_quietly(consumer_pid)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_server_owned_buffers_outlive_a_killed_producer(reap, backend) -> None:
+    device = device_for(backend)
+    weights, out, control = mp.Queue(), mp.Queue(), mp.Queue()
+    producer = start(reap, w_server_producer, out, weights, backend, device=device)
+    _, server_pid = recv(out)
+    try:
+        start(reap, w_hold_until_told, out, weights, control, device=device)
+        assert recv(out) == ("holding", 7.0 * N)
+        os.kill(producer.pid, signal.SIGKILL)
+        producer.join(timeout=T)
+        time.sleep(0.5)
+        assert alive(server_pid)  # the memory's owner outlives the process that asked for it
+        control.put("go")
+        assert recv(out) == ("after", 7.0 * N)  # still mapped, still the producer's values
+        assert recv(out) == ("released",)
+        wait_until(lambda: not alive(server_pid), timeout=5.0)  # the last lease gone, the server goes
+    finally:
+        kill_quietly(server_pid)
+
+
+def test_server_mode_manager_api(reap) -> None:
+    with mp.Manager(owner="server", release_timeout=0.5) as m:
+        assert m.owner == "server"
+        buf = m.full((N,), 4.0, "float32", device="cpu")
+        assert total(buf) == 4.0 * N
+        stats = m.stats()
+        assert stats["live_buffers"] == 1 and stats["leases"] == 1 and stats["consumer_pids"] == [os.getpid()]
+        jobs, control, out = mp.Queue(), mp.Queue(), mp.Queue()
+        start(reap, w_hold_until_told, out, jobs, control)
+        jobs.put(buf)
+        assert recv(out) == ("holding", 4.0 * N)
+        buf.release()
+        wait_until(lambda: m.stats()["leases"] == 1)  # the worker's
+        control.put("go")
+        assert recv(out) == ("after", 4.0 * N)
+        assert recv(out) == ("released",)
+        wait_until(lambda: m.stats()["pooled_buffers"] == 1)
+        assert m.trim() == mp.GRANULARITY
+        kept = m.zeros((4,), "int64", device="cpu")
+    with pytest.raises(mp.OwnerGoneError, match="Manager shut down"):
+        kept.numpy()
+
+
+def test_owner_mode_is_checked() -> None:
+    with pytest.raises(ValueError, match="owner='thread'; valid: 'process', 'server'"):
+        mp.BufferManager(owner="thread")
+
+
+def test_a_dead_owners_socket_directory_is_removed_only_when_stale(tmp_path, monkeypatch) -> None:
+    from gpushare import _server, _service
+
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    stale = tmp_path / "gpushare-owner-424242-abc"
+    stale.mkdir()
+    (stale / "owner.sock").touch()  # nothing listens: stale
+    foreign = tmp_path / "gpushare-owner-424242-def"
+    foreign.mkdir()
+    (foreign / "notes.txt").touch()  # not only sockets: not ours to remove
+    other = tmp_path / "gpushare-owner-434343-abc"
+    other.mkdir()
+    assert _server.remove_stale_sockets(424242) == [str(stale)]
+    assert not stale.exists() and foreign.exists() and other.exists()
+    listener = _service.UnixListener("owner", lambda sock: sock.close())
+    try:
+        assert os.path.dirname(listener.address).startswith(str(tmp_path / f"gpushare-owner-{os.getpid()}-"))
+        assert _server.remove_stale_sockets(os.getpid()) == []  # it answers: alive, kept
+        assert os.path.exists(listener.address)
+    finally:
+        listener.close()
