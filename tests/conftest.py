@@ -29,6 +29,19 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="fail, instead of skipping, GPU tests when no GPU is usable",
     )
     parser.addoption(
+        "--soak",
+        type=int,
+        default=2000,
+        metavar="N",
+        help="handoffs per backend in the soak test (default 2000; the GPU run uses 100000)",
+    )
+    parser.addoption(
+        "--soak-report",
+        default=None,
+        metavar="PATH",
+        help="append the soak test's figures to this file, one JSON object per backend",
+    )
+    parser.addoption(
         "--require-multigpu",
         action="store_true",
         default=False,
