@@ -105,7 +105,7 @@ def w_orphaned_consumer(out, work, ready) -> None:
         out.put(("queue", "Empty", time.monotonic() - started, ""))
     else:
         out.put(("queue", f"got {item!r}", 0.0, ""))
-    deadline = time.monotonic() + T  # an owner still shutting down answers until it is gone
+    deadline = time.monotonic() + 15  # an owner still shutting down answers until it is gone
     while True:
         try:
             total(buf)
@@ -175,8 +175,11 @@ def start(reap, fn, out, *args, device=None):
     return proc
 
 
-def recv(out, timeout=T):
-    msg = out.get(timeout=timeout)
+def recv(out, timeout=T, waiting_for="a worker's answer"):
+    try:
+        msg = out.get(timeout=timeout)
+    except queue.Empty:
+        pytest.fail(f"no answer within {timeout} s while waiting for {waiting_for}")
     if msg[0] == "error":
         pytest.fail(f"worker failed:\n{msg[1]}")
     return msg
@@ -318,7 +321,7 @@ def test_shutdown_with_outstanding_leases_is_bounded_and_names_them(reap, backen
 def test_producer_dies_first(reap, backend, how) -> None:
     out = mp.Queue()
     producer = start(reap, w_producer, out, backend, how, device=device_for(backend))
-    _, consumer_pid, server_pid, socket_dir = recv(out)
+    _, consumer_pid, server_pid, socket_dir = recv(out, waiting_for="the producer's pids")
     try:
         assert os.path.isdir(socket_dir)
         died = time.monotonic()
@@ -326,12 +329,12 @@ def test_producer_dies_first(reap, backend, how) -> None:
             os.kill(producer.pid, signal.SIGKILL)
         producer.join(timeout=T)
         # The consumer blocked on the dead producer's queue hears of it, within a bound ...
-        where, what, _, message = recv(out)
+        where, what, _, message = recv(out, waiting_for="the consumer's get() to end")
         assert (where, what) == ("queue", "OwnerGoneError"), message
         assert time.monotonic() - died < 5.0
         assert f"pid {producer.pid}" in message
         # ... and the buffer it held refuses to be touched instead of reaching freed memory.
-        where, what, held, message = recv(out)
+        where, what, held, message = recv(out, waiting_for="the consumer's touch")
         assert (where, what, held) == ("touch", "OwnerGoneError", 5.0 * N), message
         # Nothing is left: not the manager's server process, not the owner's socket directory.
         wait_until(lambda: not alive(server_pid), timeout=5.0)
