@@ -221,13 +221,16 @@ def test_double_release_and_use_after_release_across_processes(manager, reap) ->
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_out_of_memory_is_a_memory_error_and_loses_nothing(manager, reap, backend) -> None:
     device = device_for(backend)
-    pooled = manager.full((16,), 1.0, "float32", device=device, backend=backend)
-    pooled.release()  # one unused allocation in the pool
-    held = manager.full((600_000,), 4.0, "float32", device=device, backend=backend)  # another size class
+    held = manager.full((600_000,), 4.0, "float32", device=device, backend=backend)
     jobs = mp.Queue()
-    out = run(reap, w_sum_each, jobs, 2, device=device)
+    out = run(reap, w_sum_each, jobs, 3, device=device)
+    jobs.put(held)  # the worker is up (its CUDA context made) before memory runs out
+    assert recv(out) == ("sum", 2_400_000.0)
+    pooled = manager.full((16,), 1.0, "float32", device=device, backend=backend)  # another size class
+    pooled.release()  # one unused allocation in the pool
+    wait_until(lambda: manager.stats()["leases"] == 0)
     before = manager.stats()
-    assert before["pooled_buffers"] == 1
+    assert before["pooled_buffers"] == 1 and before["live_buffers"] == 1
     with pytest.raises(mp.OutOfMemoryError) as info:
         manager.buffer(more_than_there_is(device), device=device, backend=backend)
     assert isinstance(info.value, MemoryError)
@@ -235,8 +238,8 @@ def test_out_of_memory_is_a_memory_error_and_loses_nothing(manager, reap, backen
         assert isinstance(info.value, mp.CUDAOutOfMemoryError) and isinstance(info.value, mp.CUDAError)
     after = manager.stats()
     # The pool was emptied to make room (and the retry still failed); nothing else moved.
-    assert after["pooled_buffers"] == 0 and after["live_buffers"] == before["live_buffers"] == 1
-    assert after["leases"] == before["leases"] == 0 and after["leaked_buffers"] == 0
+    assert after["pooled_buffers"] == 0 and after["live_buffers"] == 1
+    assert after["leases"] == 0 and after["leaked_buffers"] == 0
     jobs.put(held)  # the buffer in use is untouched and still shares
     assert recv(out) == ("sum", 2_400_000.0)
     again = manager.full((16,), 5.0, "float32", device=device, backend=backend)

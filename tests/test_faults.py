@@ -57,6 +57,14 @@ def w_hold_until_told(out, jobs, control) -> None:
     out.put(("released",))
 
 
+def w_map_release_and_wait(out, jobs, control) -> None:
+    buf = jobs.get(timeout=T)
+    held = total(buf)
+    buf.release()  # the lease goes back; the mapping stays cached in this process
+    out.put(("released", held))
+    control.get(timeout=T)
+
+
 def w_hold_and_return(out, jobs) -> None:
     buf = jobs.get(timeout=T)
     out.put(("holding", total(buf)))
@@ -311,6 +319,30 @@ def test_shutdown_with_outstanding_leases_is_bounded_and_names_them(reap, backen
     control.put("go")
     kind, message = recv(out)
     assert kind == "OwnerGoneError" and "shut down" in message
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_hung_mapper_makes_the_owner_leak_rather_than_free(manager, reap, backend) -> None:
+    device = device_for(backend)
+    buf = manager.full((N,), 5.0, "float32", device=device, backend=backend)
+    jobs, control, out = mp.Queue(), mp.Queue(), mp.Queue()
+    proc = start(reap, w_map_release_and_wait, out, jobs, control, device=device)
+    jobs.put(buf)
+    assert recv(out) == ("released", 5.0 * N)
+    buf.release()
+    wait_until(lambda: manager.stats()["pooled_buffers"] == 1)
+    os.kill(proc.pid, signal.SIGSTOP)  # it still maps the memory and cannot answer "unmap"
+    try:
+        manager._owner.unmap_timeout = 0.5
+        with pytest.warns(mp.LeakWarning, match=rf"still mapped by process\(es\) \[{proc.pid}\]"):
+            assert manager.trim() == 0  # nothing freed under a process that may still reach it
+        stats = manager.stats()
+        assert stats["leaked_buffers"] == 1 and stats["pooled_buffers"] == 0
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    control.put("go")
+    proc.join(timeout=T)
+    assert proc.exitcode == 0
 
 
 # -- producer faults --------------------------------------------------------------------------
