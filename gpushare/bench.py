@@ -2265,6 +2265,8 @@ def _render_scenario(scenarios: dict[str, Scenario], scenario: Scenario) -> list
     if scenario.kind == "rate":
         return [f"## {scenario.title}", "", *_render_rate(scenario)]
     systems = [name for name, s in scenario.systems.items() if s.skipped is None]
+    if scenario.floor is not None and scenario.floor[0] == scenario.key:
+        systems = [name for name in systems if name != scenario.floor[1]]  # shown once, as the floor
     wanted = scenario.ratio_systems
     ratio_systems = [n for n in systems if scenario.floor is not None and (wanted is None or n in wanted)]
     judged = _judged(scenario, systems)
