@@ -590,7 +590,10 @@ class Owner:
         elif kind == "hello":
             _, pid, token, has_journal = message
             peer.pid = int(pid)
+            journal_fd = reduction.recvfds(peer.socket(), 1)[0] if has_journal else None
             if token != self.token:
+                if journal_fd is not None:
+                    os.close(journal_fd)
                 peer.send(
                     (
                         "refused",
@@ -600,8 +603,8 @@ class Owner:
                 )
                 shutdown_socket(peer.conn.fileno())
                 return
-            if has_journal:
-                journal = _journal.JournalReader(reduction.recvfds(peer.socket(), 1)[0])
+            if journal_fd is not None:
+                journal = _journal.JournalReader(journal_fd)
                 with self._lock:
                     peer.journal = journal
         else:

@@ -1499,15 +1499,7 @@ class Bench:
             _check_ack(_get_ack(acks, [proc]))
             buf.release()
 
-        try:
-            proc.start()
-            _await_ready(_queue_poll(acks), [proc], 1)
-            cfg = self.cfg
-            warmup, iters = (cfg.heavy_warmup, cfg.heavy_iters) if heavy else (cfg.warmup, cfg.iters)
-            samples = _time_loop(step, warmup, iters, between=settle)
-            settle()
-        finally:
-            _stop([proc], lambda: work.put(None), [work, acks])
+        samples = self._settled_loop(proc, work, acks, step, settle, heavy)
         if reused:
             self.scenarios["first_share"].notes.append(
                 f"{_gs_label(backend)}, {_size_label(nbytes)}: the pool still held memory after trim() "
@@ -1544,17 +1536,31 @@ class Bench:
             _check_ack(_get_ack(acks, [proc]))
 
         try:
+            return self._settled_loop(proc, work, acks, step, settle, heavy)
+        finally:
+            while held:
+                _cuda.mem_free(held.pop(), 0)
+
+    def _settled_loop(
+        self,
+        proc: Any,
+        work: Any,
+        acks: Any,
+        step: Callable[[int], None],
+        settle: Callable[[], None],
+        heavy: bool,
+    ) -> list[int]:
+        """Start the one consumer, time ``step`` with ``settle`` (untimed) before each, stop it."""
+        try:
             proc.start()
             _await_ready(_queue_poll(acks), [proc], 1)
             cfg = self.cfg
             warmup, iters = (cfg.heavy_warmup, cfg.heavy_iters) if heavy else (cfg.warmup, cfg.iters)
             samples = _time_loop(step, warmup, iters, between=settle)
             settle()
+            return samples
         finally:
             _stop([proc], lambda: work.put(None), [work, acks])
-            while held:
-                _cuda.mem_free(held.pop(), 0)
-        return samples
 
     def peer_read(self, backend: str) -> dict[str, list[int]]:
         """Copy times (ns) per system of ``peer_read`` for one backend, from one consumer on cuda:1."""

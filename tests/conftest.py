@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import queue
 import time
+import traceback
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -104,6 +106,27 @@ CUDA_BACKENDS = [p for p in BACKENDS if p.id != "host"]
 
 def device_for(backend: str) -> int | str:
     return "cpu" if backend == "host" else 0
+
+
+def guarded(fn: Callable[..., object], out: object, *args: object) -> None:
+    """A worker's target: run ``fn(out, *args)``; a failure goes to ``out`` as
+    ``("error", traceback)`` (and is raised), so the test can show it."""
+    try:
+        fn(out, *args)
+    except BaseException:
+        out.put(("error", traceback.format_exc()))  # type: ignore[attr-defined]
+        raise
+
+
+def recv(out: object, timeout: float = 60.0, waiting_for: str = "a worker's answer") -> tuple[object, ...]:
+    """The next message a ``guarded`` worker sent; its traceback fails the test."""
+    try:
+        msg = out.get(timeout=timeout)  # type: ignore[attr-defined]
+    except queue.Empty:
+        pytest.fail(f"no answer within {timeout} s while waiting for {waiting_for}")
+    if msg[0] == "error":
+        pytest.fail(f"worker failed:\n{msg[1]}")
+    return msg  # type: ignore[no-any-return]
 
 
 def wait_until(predicate: Callable[[], object], timeout: float = 5.0, interval: float = 0.02) -> None:

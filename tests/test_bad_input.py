@@ -15,11 +15,10 @@ import io
 import os
 import pickle
 import queue
-import traceback
 
 import numpy as np
 import pytest
-from conftest import BACKENDS, device_for, wait_until
+from conftest import BACKENDS, device_for, guarded, recv, wait_until
 
 import gpushare as mp
 from gpushare._descriptor import Descriptor
@@ -28,14 +27,6 @@ T = 60
 
 
 # -- workers -------------------------------------------------------------------------------
-
-
-def guarded(fn, out, *args) -> None:
-    try:
-        fn(out, *args)
-    except BaseException:
-        out.put(("error", traceback.format_exc()))
-        raise
 
 
 def w_unpickle_and_sum(out, data) -> None:
@@ -65,13 +56,6 @@ def run(reap, fn, *args, device=None):
     proc.start()
     reap.append(proc)
     return out
-
-
-def recv(out):
-    msg = out.get(timeout=T)
-    if msg[0] == "error":
-        pytest.fail(f"worker failed:\n{msg[1]}")
-    return msg
 
 
 def assert_intact(m, reap, device="cpu", backend=None) -> None:

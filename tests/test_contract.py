@@ -9,11 +9,10 @@ marked ``multigpu`` too.
 from __future__ import annotations
 
 import os
-import traceback
 
 import numpy as np
 import pytest
-from conftest import BACKENDS, CUDA_BACKENDS, device_for, wait_until
+from conftest import BACKENDS, CUDA_BACKENDS, device_for, guarded, recv, wait_until
 
 import gpushare as mp
 from gpushare import _backends
@@ -21,14 +20,6 @@ from gpushare import _backends
 TIMEOUT = 60
 
 # -- workers ---------------------------------------------------------------------------
-
-
-def guarded(fn, out, *args) -> None:
-    try:
-        fn(out, *args)
-    except BaseException:
-        out.put(("error", traceback.format_exc()))
-        raise
 
 
 def w_negate(out, jobs, backend) -> None:
@@ -75,13 +66,6 @@ def start(reap, fn, out, *args, device=None, env=None):
                 os.environ[key] = value
     reap.append(proc)
     return proc
-
-
-def recv(out):
-    msg = out.get(timeout=TIMEOUT)
-    if msg[0] == "error":
-        pytest.fail(f"worker failed:\n{msg[1]}")
-    return msg
 
 
 # -- the contract ------------------------------------------------------------------------

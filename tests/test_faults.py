@@ -15,11 +15,10 @@ import pickle
 import queue
 import signal
 import time
-import traceback
 
 import numpy as np
 import pytest
-from conftest import BACKENDS, device_for, wait_until
+from conftest import BACKENDS, device_for, guarded, recv, wait_until
 
 import gpushare as mp
 
@@ -28,14 +27,6 @@ N = 1024  # float32 elements per test buffer
 
 
 # -- workers (module level: spawn imports this module) ----------------------------------
-
-
-def guarded(fn, out, *args) -> None:
-    try:
-        fn(out, *args)
-    except BaseException:
-        out.put(("error", traceback.format_exc()))
-        raise
 
 
 def total(buf) -> float:
@@ -181,16 +172,6 @@ def start(reap, fn, out, *args, device=None):
     proc.start()
     reap.append(proc)
     return proc
-
-
-def recv(out, timeout=T, waiting_for="a worker's answer"):
-    try:
-        msg = out.get(timeout=timeout)
-    except queue.Empty:
-        pytest.fail(f"no answer within {timeout} s while waiting for {waiting_for}")
-    if msg[0] == "error":
-        pytest.fail(f"worker failed:\n{msg[1]}")
-    return msg
 
 
 def alive(pid: int) -> bool:
