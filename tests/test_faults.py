@@ -117,13 +117,16 @@ def w_orphaned_consumer(out, work, ready) -> None:
         time.sleep(0.02)
 
 
-def w_producer(out, backend, how) -> None:
-    """Makes a Manager, hands a buffer to its own consumer, then dies (``how``)."""
+def w_producer(out, consumer_out, backend, how) -> None:
+    """Makes a Manager, hands a buffer to its own consumer, then dies (``how``).
+
+    It reports on ``out``, its consumer on ``consumer_out``: a process killed
+    just after a put may die holding its queue's write lock."""
     device = device_for(backend)
     m = mp.Manager(release_timeout=0.5)
     buf = m.full((N,), 5.0, "float32", device=device, backend=backend)
     work, ready = mp.Queue(), mp.Queue()
-    consumer = mp.Process(target=guarded, args=(w_orphaned_consumer, out, work, ready), device=device)
+    consumer = mp.Process(target=guarded, args=(w_orphaned_consumer, consumer_out, work, ready), device=device)
     consumer.start()
     work.put(buf)
     ready.get(timeout=T)
@@ -201,15 +204,17 @@ def test_consumer_sigkilled_while_holding_buffers(manager, reap, backend) -> Non
     device = device_for(backend)
     a = manager.full((N,), 1.0, "float32", device=device, backend=backend)
     b = manager.full((N,), 2.0, "float32", device=device, backend=backend)
-    # Separate queues: a process killed inside get() dies holding that queue's lock.
-    victim_jobs, survivor_jobs, control, out = mp.Queue(), mp.Queue(), mp.Queue(), mp.Queue()
-    victim = start(reap, w_hold_forever, out, victim_jobs, 2, device=device)
+    # The victim gets queues of its own: a process killed while its feeder thread
+    # still holds a queue's write lock (just after sending) would block that queue.
+    victim_jobs, victim_out = mp.Queue(), mp.Queue()
+    survivor_jobs, control, out = mp.Queue(), mp.Queue(), mp.Queue()
+    victim = start(reap, w_hold_forever, victim_out, victim_jobs, 2, device=device)
     start(reap, w_hold_until_told, out, survivor_jobs, control, device=device)
     victim_jobs.put(a)
     victim_jobs.put(b)
     survivor_jobs.put(a)
-    seen = sorted([recv(out), recv(out)], key=str)
-    assert seen == [("holding", 1024.0), ("holding", [1024.0, 2048.0])]
+    assert recv(victim_out, waiting_for="the victim") == ("holding", [1024.0, 2048.0])
+    assert recv(out, waiting_for="the survivor") == ("holding", 1024.0)
     assert manager.stats()["leases"] == 3
 
     killed = time.monotonic()
@@ -219,8 +224,8 @@ def test_consumer_sigkilled_while_holding_buffers(manager, reap, backend) -> Non
     assert reclaimed < 1.0, f"leases came back {reclaimed:.2f} s after the kill"
 
     control.put("go")  # the other consumer is unaffected
-    assert recv(out) == ("after", 1024.0)
-    assert recv(out) == ("released",)
+    assert recv(out, waiting_for="the survivor's read after the kill") == ("after", 1024.0)
+    assert recv(out, waiting_for="the survivor's release") == ("released",)
     wait_until(lambda: manager.stats()["leases"] == 0)
 
     a.release()
@@ -332,9 +337,9 @@ def test_a_hung_mapper_makes_the_owner_leak_rather_than_free(manager, reap, back
 @pytest.mark.parametrize("how", ["sigkill", "return"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_producer_dies_first(reap, backend, how) -> None:
-    out = mp.Queue()
-    producer = start(reap, w_producer, out, backend, how, device=device_for(backend))
-    _, consumer_pid, server_pid, socket_dir = recv(out, waiting_for="the producer's pids")
+    producer_out, out = mp.Queue(), mp.Queue()
+    producer = start(reap, w_producer, producer_out, out, backend, how, device=device_for(backend))
+    _, consumer_pid, server_pid, socket_dir = recv(producer_out, waiting_for="the producer's pids")
     try:
         assert os.path.isdir(socket_dir)
         died = time.monotonic()
@@ -375,9 +380,9 @@ def test_a_queue_ends_after_everything_its_exited_creator_put(reap, kind) -> Non
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_server_owned_buffers_outlive_a_killed_producer(reap, backend) -> None:
     device = device_for(backend)
-    weights, out, control = mp.Queue(), mp.Queue(), mp.Queue()
-    producer = start(reap, w_server_producer, out, weights, backend, device=device)
-    _, server_pid = recv(out)
+    weights, producer_out, out, control = mp.Queue(), mp.Queue(), mp.Queue(), mp.Queue()
+    producer = start(reap, w_server_producer, producer_out, weights, backend, device=device)
+    _, server_pid = recv(producer_out, waiting_for="the producer")
     try:
         start(reap, w_hold_until_told, out, weights, control, device=device)
         assert recv(out) == ("holding", 7.0 * N)
