@@ -54,7 +54,8 @@ closed: the descriptor named another Manager), ``("claim", req, lease, alloc)``
 (first arrival of an allocation: answered), ``("drain",)`` (read my
 journal), ``("batch", [lease...], [lease...])`` (no journal: claims, then
 releases), ``("lease", req, alloc, generation, lease it came under)``
-(re-sharing: answered with ``(lease, ready event handle)``),
+(re-sharing: answered with the new lease; the re-sharing process records
+its own ready event),
 ``("fd", req, alloc)``, ``("unmapped", alloc, ok)``; owner -> consumer
 ``("ok", req, value)``, ``("okfd", req, None)`` immediately followed on the
 socket by one file descriptor (SCM_RIGHTS: the fd-based backends'
@@ -1023,8 +1024,8 @@ class Link:
     def _unhold(self, lease_id: int, alloc_id: int) -> None:
         """Map lock held. A released lease no longer keeps its mapping in use.
 
-        Done before the owner can learn of the release, so that an ``unmap``
-        the owner sends after it finds this process no longer using the memory.
+        Done before the release record is written: an owner that has read the
+        release and asks this process to unmap must find the mapping unused.
         """
         self._held.discard(lease_id)
         mapping = self._mappings.get(alloc_id)
@@ -1183,7 +1184,8 @@ class Link:
         return Buffer(memory, desc.offset, desc.shape, np.dtype(desc.dtype))
 
     def _event(self, handle: bytes, device: int | None) -> Any:
-        """An owner's ready event, opened once per process (the owner records a few in turn)."""
+        """A sharer's ready event (the owner's, or a re-sharing process's), opened once
+        per process: each sharer records a few per device in turn."""
         assert device is not None
         key = (handle, device)
         event = self._events.get(key)
