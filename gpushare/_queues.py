@@ -25,8 +25,11 @@ put before, and never before:
 
 * a creator that put items and exits normally puts an end-of-queue marker
   behind them in its exit handlers (``EXIT_PRIORITY``, after the Manager's
-  shutdown told workers its buffers are gone); the consumer that reads it
-  leaves it in the queue for the next one;
+  shutdown told workers its buffers are gone). A consumer that reads it
+  waits ``EXIT_GRACE`` seconds more: items other processes still put are
+  delivered as usual (the marker goes back behind them); only when none
+  comes does ``get()`` raise. Either way the marker stays in the queue for
+  the next consumer;
 * a creator that is killed is noticed by a blocking ``get()``, which checks
   every ``WATCH_INTERVAL`` seconds, once the queue is empty.
 
@@ -96,6 +99,7 @@ class _Pickled:
 
 
 WATCH_INTERVAL = 0.5  # seconds a blocking get() waits between checks that the creator lives
+EXIT_GRACE = 0.5  # after the end-of-queue marker, seconds get() waits for items other processes put
 # The end-of-queue marker goes out at exit after the Manager's shutdown (priority 12) and
 # just before the queue's own close (stdlib, priority 10, registered earlier).
 EXIT_PRIORITY = 10
@@ -150,14 +154,22 @@ class _CaptureAndWatch:
 
     def get(self, block: bool = True, timeout: float | None = None) -> Any:
         item = self._get(block, timeout)
-        if type(item) is _CreatorExited:
-            self._pass_on(item)
-            raise OwnerGoneError(
-                f"the process that created this queue (pid {item.pid}) exited; nothing more will come "
-                "from it, and its buffers' memory is gone with it. End this worker, or use "
-                "Manager(owner='server') for buffers that outlive their producer"
-            )
-        return item
+        if type(item) is not _CreatorExited:
+            return item
+        # The creator exited. Other processes may still be putting: go on while items
+        # keep coming, and leave the marker behind them for the next consumer.
+        try:
+            after = self._get(True, EXIT_GRACE)
+        except queue.Empty:
+            after = item
+        self._pass_on(item)
+        if type(after) is not _CreatorExited:
+            return after
+        raise OwnerGoneError(
+            f"the process that created this queue (pid {item.pid}) exited, and nothing more came "
+            f"within {EXIT_GRACE:g} s; its buffers' memory is gone with it. End this worker, or use "
+            "Manager(owner='server') for buffers that outlive their producer"
+        )
 
     def _pass_on(self, marker: _CreatorExited) -> None:
         """Leave the marker in the queue for the next consumer."""

@@ -158,6 +158,35 @@ def w_put_and_return(out, kind, n) -> None:
     out.put(("consumer", consumer.pid))
 
 
+def w_feed_slowly(work, ready, n) -> None:
+    ready.put("started")
+    for i in range(n):
+        time.sleep(0.05)
+        work.put(("more", i))
+    work.put(None)
+
+
+def w_drain_until_none(out, work, ready) -> None:
+    ready.put("started")
+    got = []
+    while (item := work.get(timeout=T)) is not None:
+        got.append(item)
+    out.put(("drained", got))
+
+
+def w_put_start_feeder_and_return(out, n) -> None:
+    """Puts one item, leaves a child feeding the same queue, and returns."""
+    work, ready = mp.Queue(), mp.Queue()
+    consumer = mp.Process(target=guarded, args=(w_drain_until_none, out, work, ready))
+    consumer.start()
+    work.put(("first", 0))
+    ready.get(timeout=T)
+    feeder = mp.Process(target=w_feed_slowly, args=(work, ready, n))
+    feeder.start()
+    ready.get(timeout=T)  # both children hold the queue before its creator returns
+    out.put(("pids", consumer.pid, feeder.pid))
+
+
 def w_server_producer(out, weights, backend) -> None:
     """owner="server": allocates the weights, hands them on, then is killed."""
     m = mp.Manager(owner="server")
@@ -375,6 +404,22 @@ def test_a_queue_ends_after_everything_its_exited_creator_put(reap, kind) -> Non
         assert f"pid {producer.pid}" in message and "exited" in message
     finally:
         kill_quietly(consumer_pid)
+
+
+def test_a_queue_still_fed_by_others_outlives_its_exited_creator(reap) -> None:
+    # The creator's end-of-queue marker must not cut off items that other living
+    # processes keep putting (the drop-in promise for multi-producer queues).
+    out = mp.Queue()
+    creator = start(reap, w_put_start_feeder_and_return, out, 20)
+    _, consumer_pid, feeder_pid = recv(out, waiting_for="the creator")
+    try:
+        creator.join(timeout=T)  # it exits (joining its children) while the feeder still puts
+        assert creator.exitcode == 0
+        _, got = recv(out, waiting_for="the consumer")
+        assert got == [("first", 0)] + [("more", i) for i in range(20)]
+    finally:
+        kill_quietly(consumer_pid)
+        kill_quietly(feeder_pid)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
