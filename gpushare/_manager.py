@@ -93,6 +93,7 @@ class BufferManager(SyncManager):
             raise ValueError(f"owner={owner!r}; valid: {', '.join(map(repr, _server.OWNER_MODES))}")
         self._owner_mode = owner
         self._server_buffers: Any = None  # owner="server": the proxy of the server's ServerBuffers
+        self._closed = [False]  # set by shutdown()
         self._owner_options: dict[str, Any] = {
             "lease_timeout": lease_timeout,
             "shutdown_timeout": release_timeout,
@@ -124,11 +125,13 @@ class BufferManager(SyncManager):
                 owner.shutdown(timeout)
 
         done = threading.Event()
+        self_closed = self._closed  # a list, so the closure does not hold the Manager itself
 
         def shutdown(timeout: float | None = None) -> None:
             if done.is_set():
                 return
             done.set()
+            self_closed[0] = True
             try:
                 for ring in list(rings):
                     ring.close()  # consumers give their slot leases back
@@ -150,6 +153,8 @@ class BufferManager(SyncManager):
 
     def _server(self) -> Any:
         """owner="server": the proxy of the server's ServerBuffers (made on first use)."""
+        if self._closed[0]:
+            raise ManagerClosedError("the Manager was shut down; make a new Manager to allocate buffers")
         if self._server_buffers is None:
             try:
                 self._server_buffers = self._gpushare_buffers()  # type: ignore[attr-defined]

@@ -464,6 +464,8 @@ def test_server_mode_manager_api(reap) -> None:
         kept = m.zeros((4,), "int64", device="cpu")
     with pytest.raises(mp.OwnerGoneError, match="Manager shut down"):
         kept.numpy()
+    with pytest.raises(mp.ManagerClosedError, match="shut down"):
+        m.empty((4,), device="cpu")
 
 
 def test_owner_mode_is_checked() -> None:
