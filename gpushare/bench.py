@@ -360,18 +360,21 @@ def _raw_open_consumer(work: Any, acks: Any, device: int) -> None:
         acks.put("closed")
 
 
-def _peer_read_consumer(work: Any, results: Any, peer: int, warmup: int, iters: int) -> None:
-    """Get one buffer at a time (until None), time copies out of it, answer ("result", dict).
+def _torch_consumer(work: Any, results: Any, device: int, measure: Callable[..., Any], warmup: int, iters: int) -> None:
+    """On ``device``, get one buffer at a time (until None), answer ``("result", measure(torch,
+    buf, device, warmup, iters))`` (``peer_read`` and ``kernel_read``).
 
-    Every answer comes after the buffer is released and the tensors are dropped, so
+    Every answer comes after the tensors are dropped and the buffer is released, so
     the producer's lease is back (or on its way) when it reads the answer.
     """
     try:
         import torch
 
-        if torch.cuda.device_count() <= peer:
-            raise BenchError(f"torch sees {torch.cuda.device_count()} CUDA device(s); this consumer needs cuda:{peer}")
-        torch.cuda.set_device(peer)
+        if torch.cuda.device_count() <= device:
+            raise BenchError(
+                f"torch sees {torch.cuda.device_count()} CUDA device(s); this consumer needs cuda:{device}"
+            )
+        torch.cuda.set_device(device)
         torch.cuda.init()
     except BaseException as exc:
         results.put(("error", f"consumer setup failed: {type(exc).__name__}: {exc}"))
@@ -387,10 +390,11 @@ def _peer_read_consumer(work: Any, results: Any, peer: int, warmup: int, iters: 
             return
         reply: Any
         try:
-            reply = ("result", _peer_read_measure(torch, buf, peer, warmup, iters))
+            reply = ("result", measure(torch, buf, device, warmup, iters))
         except BaseException as exc:
             reply = ("error", f"consumer failed: {type(exc).__name__}: {exc}")
         finally:
+            gc.collect()  # a DLPack tensor holds its own reference: drop it before the release
             with contextlib.suppress(Exception):
                 buf.release()
         del buf
@@ -588,49 +592,13 @@ def _stream_consumer(kind: str, work: Any, conn: Any, device: int | None, ack_ev
                 return
 
 
-def _kernel_read_consumer(work: Any, results: Any, device: int, warmup: int, iters: int) -> None:
-    """Get one buffer at a time (until None), time ``x.sum()`` on it and on a local tensor, answer.
-
-    Every answer comes after the tensors are dropped and the buffer is released.
-    """
-    try:
-        import torch
-
-        torch.cuda.set_device(device)
-        torch.cuda.init()
-    except BaseException as exc:
-        results.put(("error", f"consumer setup failed: {type(exc).__name__}: {exc}"))
-        return
-    results.put(("ready", os.getpid()))
-    while True:
-        try:
-            buf = work.get()  # unpickling maps the memory
-        except BaseException as exc:
-            results.put(("error", f"consumer could not receive the buffer: {type(exc).__name__}: {exc}"))
-            return
-        if buf is None:
-            return
-        reply: Any
-        try:
-            reply = ("result", _kernel_read_measure(torch, buf, warmup, iters))
-        except BaseException as exc:
-            reply = ("error", f"consumer failed: {type(exc).__name__}: {exc}")
-        finally:
-            gc.collect()  # the DLPack tensor holds its own reference: drop it before the release
-            with contextlib.suppress(Exception):
-                buf.release()
-        del buf
-        gc.collect()
-        with contextlib.suppress(Exception):
-            torch.cuda.empty_cache()
-        results.put(reply)
-
-
-def _kernel_read_measure(torch: Any, buf: Any, warmup: int, iters: int) -> dict[str, Any]:
+def _kernel_read_measure(torch: Any, buf: Any, device: int, warmup: int, iters: int) -> dict[str, Any]:
     """``x.sum()`` times (ns) on the mapped buffer and on a local tensor, interleaved, CUDA events."""
     home = buf.device
     if not isinstance(home, int):
         raise BenchError(f"the buffer arrived as {home!r}, not as memory of a CUDA device")
+    if home != device:
+        raise BenchError(f"the buffer is mapped on cuda:{home}, not on the consumer's own cuda:{device}")
     dev = torch.device("cuda", home)
     mapped = torch.from_dlpack(buf)
     if mapped.device != dev or mapped.data_ptr() != buf.ptr:
@@ -1565,7 +1533,7 @@ class Bench:
     def peer_read(self, backend: str) -> dict[str, list[int]]:
         """Copy times (ns) per system of ``peer_read`` for one backend, from one consumer on cuda:1."""
         return self._one_buffer_to_one_consumer(
-            "peer_read", backend, PEER_SHAPE, PEER_HOME, PEER_DEVICE, _peer_read_consumer,
+            "peer_read", backend, PEER_SHAPE, PEER_HOME, PEER_DEVICE, _peer_read_measure,
             (self.cfg.peer_warmup, self.cfg.peer_iters), PEER_TIMEOUT, PEER_SYSTEMS,
         )  # fmt: skip
 
@@ -1576,13 +1544,13 @@ class Bench:
         shape: tuple[int, ...],
         home: int,
         consumer_device: int,
-        target: Callable[..., None],
+        measure: Callable[..., Any],
         timing: tuple[int, int],
         timeout: float,
         systems: Sequence[str],
     ) -> dict[str, list[int]]:
         """Fill one buffer on ``home``, hand it to one consumer bound to ``consumer_device``,
-        and return the timings it measured (``target(work, results, device, warmup, iters)``)."""
+        and return the timings it measured (``measure(torch, buf, device, warmup, iters)``)."""
         from . import _cuda
 
         gpushare = _gpushare()
@@ -1598,8 +1566,8 @@ class Bench:
             work = ctx.Queue()
             results = ctx.Queue()
             proc = ctx.Process(
-                target=target,
-                args=(work, results, consumer_device, *timing),
+                target=_torch_consumer,
+                args=(work, results, consumer_device, measure, *timing),
                 daemon=True,
                 device=consumer_device,
             )
@@ -1872,7 +1840,7 @@ class Bench:
     def kernel_read(self, backend: str) -> dict[str, list[int]]:
         """``x.sum()`` times (ns) per system of ``kernel_read`` for one backend, from one consumer on the same GPU."""
         return self._one_buffer_to_one_consumer(
-            "kernel_read", backend, KERNEL_SHAPE, KERNEL_DEVICE, KERNEL_DEVICE, _kernel_read_consumer,
+            "kernel_read", backend, KERNEL_SHAPE, KERNEL_DEVICE, KERNEL_DEVICE, _kernel_read_measure,
             (self.cfg.kernel_warmup, self.cfg.kernel_iters), KERNEL_TIMEOUT, KERNEL_SYSTEMS,
         )  # fmt: skip
 
