@@ -21,6 +21,7 @@ import pytest
 from conftest import BACKENDS, device_for, guarded, recv, wait_until
 
 import gpushare as mp
+from gpushare._service import process_alive
 
 T = 60  # seconds any single wait in a worker may take
 N = 1024  # float32 elements per test buffer
@@ -206,18 +207,6 @@ def start(reap, fn, out, *args, device=None):
     return proc
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except OSError:
-        return False
-
-
 def kill_quietly(pid: int) -> None:
     try:
         os.kill(pid, signal.SIGKILL)
@@ -384,7 +373,7 @@ def test_producer_dies_first(reap, backend, how) -> None:
         where, what, held, message = recv(out, waiting_for="the consumer's touch")
         assert (where, what, held) == ("touch", "OwnerGoneError", 5.0 * N), message
         # Nothing is left: not the manager's server process, not the owner's socket directory.
-        wait_until(lambda: not alive(server_pid), timeout=5.0)
+        wait_until(lambda: not process_alive(server_pid, sentinel=False), timeout=5.0)
         wait_until(lambda: not os.path.exists(socket_dir), timeout=5.0)
     finally:
         kill_quietly(consumer_pid)
@@ -434,11 +423,12 @@ def test_server_owned_buffers_outlive_a_killed_producer(reap, backend) -> None:
         os.kill(producer.pid, signal.SIGKILL)
         producer.join(timeout=T)
         time.sleep(0.5)
-        assert alive(server_pid)  # the memory's owner outlives the process that asked for it
+        assert process_alive(server_pid, sentinel=False)  # the memory's owner outlives the process that asked for it
         control.put("go")
         assert recv(out) == ("after", 7.0 * N)  # still mapped, still the producer's values
         assert recv(out) == ("released",)
-        wait_until(lambda: not alive(server_pid), timeout=5.0)  # the last lease gone, the server goes
+        # The last lease gone, the server goes.
+        wait_until(lambda: not process_alive(server_pid, sentinel=False), timeout=5.0)
     finally:
         kill_quietly(server_pid)
 
