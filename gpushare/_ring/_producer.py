@@ -66,6 +66,10 @@ class _Consumer:
     dead: bool = False
 
 
+def _by_cid(consumers: set[_Consumer]) -> list[_Consumer]:
+    return sorted(consumers, key=lambda c: c.cid)
+
+
 def _destroy_events(events: list[Any], device: int | str) -> None:
     for event in events:
         try:
@@ -369,7 +373,7 @@ class Producer:
     def _busy_message(self, timeout: float | None) -> str:
         with self._lock:
             held = [
-                f"slot {i} (sequence {self._seq[i]}) by pid(s) {', '.join(str(c.pid) for c in sorted(h, key=lambda c: c.cid))}"
+                f"slot {i} (sequence {self._seq[i]}) by pid(s) {', '.join(str(c.pid) for c in _by_cid(h))}"
                 for i, h in enumerate(self._holders)
                 if self._state[i] == _PUBLISHED
             ]
