@@ -89,6 +89,26 @@ class Frames:
         return message
 
 
+class _Drop:
+    """Buffer's finalizer for ring items, without a ``weakref.finalize`` per item.
+
+    Has what Buffer uses of a finalizer (``alive``, calling it once);
+    :meth:`SlotBuffer.__del__` calls it when the item is collected.
+    """
+
+    __slots__ = ("_memory", "alive")
+
+    def __init__(self, memory: Any) -> None:
+        self._memory = memory
+        self.alive = True
+
+    def __call__(self) -> None:
+        memory, self._memory = self._memory, None
+        if memory is not None:
+            self.alive = False
+            memory.drop_one()
+
+
 class SlotBuffer(Buffer):
     """A ring slot as handed out: by :meth:`Ring.acquire` (producer) or :meth:`RingConsumer.get`.
 
@@ -105,7 +125,16 @@ class SlotBuffer(Buffer):
     def __init__(
         self, base: Buffer, ring: object, slot: int, sequence: int | None, epoch: int, meta: Any, on_release: Any
     ) -> None:
-        super().__init__(base._memory, base._offset, base._shape, base._dtype)
+        # Buffer.__init__ without its weakref.finalize (a third of an item's cost):
+        # __del__ drops the memory count instead.
+        memory = base._memory
+        self._memory = memory
+        self._offset = base._offset
+        self._shape = base._shape
+        self._dtype = base._dtype
+        self._export = None
+        memory.acquire()
+        self._finalizer = _Drop(memory)  # type: ignore[assignment]
         self._ring = ring
         self.slot = slot
         self.sequence = sequence
@@ -126,11 +155,12 @@ class SlotBuffer(Buffer):
     def __del__(self) -> None:
         # Cheaper than a second weakref.finalize per item; the callbacks only
         # write shared memory or enqueue, and never raise.
-        if getattr(self, "_on_release", None) is not None:
-            try:
+        try:
+            if getattr(self, "_on_release", None) is not None:
                 self._give_back()
-            except Exception:  # interpreter shutdown
-                pass
+            self._finalizer()
+        except Exception:  # interpreter shutdown
+            pass
 
     def __repr__(self) -> str:
         state = "released" if self.released else self.backend
