@@ -243,8 +243,12 @@ class _ReadyEvents:
         self._turn = itertools.count()
 
     def record(self, device: int | None) -> bytes:
-        """Record the next event of ``device`` now; return its handle."""
+        """Record the next event of ``device`` now; return its handle. Nothing (b"") when
+        the default stream is idle: every piece of work queued before is finished, so
+        the receiver has nothing to wait for (and skips the wait)."""
         assert device is not None
+        if _cuda.stream_idle(device):
+            return b""
         with self._lock:
             events = self._events.setdefault(device, [])
             if len(events) < READY_EVENTS:
@@ -326,14 +330,17 @@ class Owner:
             finally:
                 self._lock.release()
 
-    def _drain_locked(self) -> None:
-        """Lock held. Catch up: deferred finalizer work, then every consumer's lease records."""
+    def _drain_locked(self, journals: bool = True) -> None:
+        """Lock held. Catch up: deferred finalizer work, then (``journals``) every consumer's
+        lease records."""
         while True:
             try:
                 fn, args = self._pending.get_nowait()
             except queue.Empty:
                 break
             fn(*args)
+        if not journals:
+            return
         for peer in self._peers.values():
             if peer.journal is not None:
                 self._read_journal_locked(peer)
@@ -437,7 +444,10 @@ class Owner:
         event the receiver waits on (empty for host memory, or when ``record`` is
         false: a re-sharing process records its own)."""
         with self._lock:
-            self._drain_locked()
+            # Not the journals: a new lease on a slot the caller holds depends on no
+            # consumer's record, and reading every consumer's journal per put costs a
+            # fan-out to N consumers N*N reads (the housekeeper reads them every 0.2 s).
+            self._drain_locked(journals=False)
             self._check_slot(slot)
             if self._closed:
                 raise ManagerClosedError("the Manager is shutting down; it shares no more buffers")
