@@ -122,8 +122,8 @@ Layout (``gpushare/bench/``): ``cli`` (the command line and ``main``), ``runner`
 (``Bench``: probe, plan, run), ``scenarios/`` (the registry and one module per scenario
 family), ``patterns`` (the handoff patterns scenarios are made of), ``peers`` (the
 floors, torch.multiprocessing, cuda.core), ``consumers`` (the functions the spawned
-consumers run), ``harness`` (timing, readiness, acks, stopping), ``results`` (cells,
-series, scenarios, tasks), ``settings`` (every constant, ``Config``, ``Target``),
+consumers run), ``harness`` (timing, readiness, acks, stopping), ``results`` (series,
+scenarios, tasks), ``stats`` (``Cell``, ``Target``), ``settings`` (every constant, ``Config``),
 ``fmt`` and the writers ``report_md``, ``report_json`` and ``report_plot``.
 
 Adding a scenario: write ``gpushare/bench/scenarios/<name>.py`` with

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .results import Cell, Scenario
+from .results import Scenario
 from .settings import (
     GPUSHARE,
     KERNEL_LOCAL,
@@ -20,6 +20,7 @@ from .settings import (
     MiB,
     Target,
 )
+from .stats import Cell
 
 
 def _gs_label(backend: str) -> str:

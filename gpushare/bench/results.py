@@ -10,29 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
-from .settings import FLOOR_SCENARIO, FLOOR_SYSTEM, Target, _gpushare
-
-
-@dataclass
-class Cell:
-    median_us: float
-    p90_us: float
-    mean_us: float
-    min_us: float
-    n: int
-
-    @classmethod
-    def of(cls, samples_ns: list[int]) -> Cell:
-        us = np.asarray(samples_ns, dtype=np.float64) / 1000.0
-        return cls(
-            median_us=round(float(np.median(us)), 2),
-            p90_us=round(float(np.percentile(us, 90)), 2),
-            mean_us=round(float(us.mean()), 2),
-            min_us=round(float(us.min()), 2),
-            n=len(samples_ns),
-        )
+from .settings import FLOOR_SCENARIO, FLOOR_SYSTEM, _gpushare
+from .stats import Cell, Target
 
 
 @dataclass

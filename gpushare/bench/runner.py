@@ -20,9 +20,10 @@ from typing import Any
 import numpy as np
 
 from .fmt import _fmt_gbps, _fmt_rate, _gbps, _gs_label, _rate
-from .results import Cell, Samples, Scenario, Series, Task, _unavailable
+from .results import Samples, Scenario, Series, Task, _unavailable
 from .scenarios import scenario_modules
 from .settings import HOST_BACKEND, BenchError, Config, _gpushare, _progress, _version_of
+from .stats import Cell
 
 
 class Bench:

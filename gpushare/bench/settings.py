@@ -10,11 +10,9 @@ import importlib
 import sys
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from .results import Cell
-
+from .stats import Target
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -55,34 +53,6 @@ GPUSHARE = "gpushare"
 TORCH = "torch.multiprocessing"
 CUDA_CORE = "cuda.core IPC pool"
 PIPE_FLOOR_SYSTEM = "mp.Pipe"
-
-
-@dataclass(frozen=True)
-class Target:
-    """A goal printed next to a row: ``ratio_max`` (median / floor <= limit), ``us_max``
-    (median <= limit us) or ``rate_min`` (items per second >= limit, from a time per item)."""
-
-    kind: str
-    limit: float
-
-    def text(self, floor: str = "the floor") -> str:
-        if self.kind == "ratio_max":
-            return f"<= {self.limit:g}x {floor}"
-        if self.kind == "us_max":
-            return f"<= {self.limit:g} us"
-        return f">= {self.limit:,.0f}/s"
-
-    def met(self, cell: Cell | None, floor: Cell | None = None) -> bool | None:
-        """Whether ``cell`` meets it; None when it cannot be judged (no cell, no floor)."""
-        if cell is None or cell.median_us <= 0:
-            return None
-        if self.kind == "ratio_max":
-            if floor is None or floor.median_us <= 0:
-                return None
-            return cell.median_us / floor.median_us <= self.limit
-        if self.kind == "us_max":
-            return cell.median_us <= self.limit
-        return 1e6 / cell.median_us >= self.limit
 
 
 # ring: fan-out of one ring slot to N consumers, against the Pipe floor
