@@ -193,6 +193,7 @@ class RingConsumer:
                     entry = channel.take(index)
                     if entry is not None:
                         return entry
+                os.sched_yield()  # free: returns at once unless another process waits for this core
         deadline = None if timeout is None else start + timeout
         while True:
             entry = channel.take(index)

@@ -354,6 +354,7 @@ class Producer:
                     continue
                 now = time.monotonic()
                 if now < spin_until:
+                    os.sched_yield()  # free: returns at once unless another process waits for this core
                     continue
                 remaining = None if deadline is None else deadline - now
                 if remaining is not None and remaining <= 0:

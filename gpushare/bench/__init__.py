@@ -39,6 +39,13 @@ What one iteration is, per scenario (one producer, N consumer processes):
     allocates one per iteration and drops it after the acks (each
     library's pool or caching allocator recycles the memory, as it would
     in a pipeline).
+``handoff_per_queue``
+    The recycled handoff with one Queue per consumer (what fan-out scripts
+    often write): the producer puts the same buffer once on each
+    consumer's own Queue and waits for every ack. Its floor is the same
+    pattern carrying the small tuple (``mp.Queue per consumer``); every
+    system (gpushare per backend, torch.multiprocessing, cuda.core) is
+    read as a ratio to it.
 ``ring``
     Fan-out through a ring (``manager.ring(shape, "float32", device=...,
     slots=4, consumers=N, backend=name)``, 1 MiB float32 slots), one column
