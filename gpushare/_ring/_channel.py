@@ -20,7 +20,8 @@ Layout (little-endian, offsets in bytes; ``n`` = slots)
 
                        u64 stamp | u64 sequence | u32 slot | u32 meta length | meta
 
-                   ``stamp`` is ``(i mod 2**32) << 32 | crc32(i, body)``; a
+                   ``stamp`` is ``((i + 1) mod 2**32) << 32 | crc32(i, body)``
+                   (``+ 1``: a zeroed, never written entry matches no index); a
                    meta length of ``META_ON_SOCKET`` means the pickled meta was
                    too long to go inline and follows on the socket instead.
 
@@ -106,7 +107,7 @@ def _entries_at(slots: int) -> int:
 
 
 def _stamp(index: int, body: bytes | memoryview) -> int:
-    return (index & 0xFFFFFFFF) << 32 | zlib.crc32(body, zlib.crc32(_INDEX.pack(index)))
+    return ((index + 1) & 0xFFFFFFFF) << 32 | zlib.crc32(body, zlib.crc32(_INDEX.pack(index)))
 
 
 class Channel:
@@ -155,7 +156,7 @@ class Channel:
         None when it is not (completely) written yet (consumer)."""
         at = self._entries + ENTRY * (index % self.slots)
         stamp, sequence, slot, length = _ENTRY_HEAD.unpack_from(self.mm, at)
-        if stamp >> 32 != index & 0xFFFFFFFF:
+        if stamp >> 32 != (index + 1) & 0xFFFFFFFF:
             return None
         end = at + _ENTRY_HEAD.size + (0 if length == META_ON_SOCKET else min(length, INLINE_META))
         if _stamp(index, self.mm[at + 8 : end]) != stamp:
@@ -167,7 +168,7 @@ class Channel:
     def ready(self, index: int) -> bool:
         """Whether entry ``index`` looks written (cheap; :meth:`take` checks it fully)."""
         at = self._entries + ENTRY * (index % self.slots)
-        return bool(_WORD.unpack_from(self.mm, at)[0] >> 32 == index & 0xFFFFFFFF)
+        return bool(_WORD.unpack_from(self.mm, at)[0] >> 32 == (index + 1) & 0xFFFFFFFF)
 
     # -- consumer -> producer: release words ----------------------------------------
     def release(self, slot: int, sequence: int) -> None:
