@@ -120,7 +120,10 @@ class RingConsumer:
     def _cuda_events(self, handles: list[bytes]) -> list[bytes]:
         """Open the producer's slot events; make ours (their handles go to the producer)."""
         device = self._device
-        if not isinstance(device, int):
+        if not isinstance(device, int) or self._info["pid"] == os.getpid():
+            # Host memory needs no events. A consumer in the producer's own process
+            # cannot open the producer's interprocess events (the driver refuses), and
+            # needs none: both ends share the context's legacy default stream.
             return []
         self._slot_events = [_cuda.event_open(h, device) for h in handles]
         mine = []
