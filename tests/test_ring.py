@@ -562,3 +562,17 @@ def test_ring_producer_write_waits_for_a_consumer_read_still_running_at_release(
                 break
         else:
             pytest.fail("could not keep a consumer kernel running long enough to test anything")
+
+
+@pytest.mark.gpu
+def test_cuda_ring_consumer_in_the_producers_own_process(manager) -> None:
+    """No interprocess events there (the driver refuses to open them in their own process)."""
+    with manager.ring(SHAPE, "float32", device=0, slots=2, consumers=1) as ring:
+        consumer = pickle.loads(pickle.dumps(ring))
+        for step in range(4):
+            buf = ring.acquire(timeout=10)
+            buf.fill(step + 0.5)
+            ring.publish(buf, step, timeout=10)
+            with consumer.get(timeout=10) as item:
+                assert item.meta == step and float(item.numpy()[0, 0]) == step + 0.5
+        consumer.close()
