@@ -506,6 +506,15 @@ def _gpu_slow_reader(ring, results) -> None:
             return
 
 
+def _require_torch():
+    """pytest.importorskip, without letting an import-time warning become an error."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return pytest.importorskip("torch")
+
+
 def _gpu_result(results, timeout=120):
     message = results.get(timeout=timeout)
     if message[0] == "error":
@@ -518,7 +527,7 @@ def _gpu_result(results, timeout=120):
 def test_ring_consumer_waits_for_a_producer_kernel_still_running_at_publish(manager, reap, how) -> None:
     """Per-slot events: publish records the slot's event, the consumer orders after it
     (no device-wide synchronize anywhere)."""
-    torch = pytest.importorskip("torch")
+    torch = _require_torch()
     results = mp.Queue()
     with manager.ring((1 << 22,), "float32", device=0, slots=1, consumers=1) as ring:
         start(reap, _report_errors, _gpu_read_published, ring, results, how, device=0)
@@ -543,7 +552,7 @@ def test_ring_consumer_waits_for_a_producer_kernel_still_running_at_publish(mana
 def test_ring_producer_write_waits_for_a_consumer_read_still_running_at_release(manager, reap) -> None:
     """The consumer's release event: the producer's next write of the slot (default
     stream) runs after the consumer's queued read, though neither side synchronized."""
-    torch = pytest.importorskip("torch")
+    torch = _require_torch()
     results = mp.Queue()
     with manager.ring((1 << 22,), "float32", device=0, slots=1, consumers=1) as ring:
         start(reap, _report_errors, _gpu_slow_reader, ring, results, device=0)
