@@ -58,6 +58,11 @@ What one iteration is, per scenario (one producer, N consumer processes):
     then acks. Ratios are to the *Pipe* floor. Targets, printed per row
     with met / not met: 1 consumer <= 1.5x the Pipe floor; 4 consumers
     <= 80 us; 8 consumers <= 150 us.
+``ring_roundtrip``
+    One round trip through the ring with no Pipe: a 1-slot ring to one
+    consumer, so each ``ring.acquire()`` waits for the consumer's release
+    of the item published before; plain and *spin* columns per backend,
+    shown against the Pipe floor; the spin columns' target is 10 us.
 ``throughput``
     Pipelined handoffs per second to one consumer, the producer never
     waiting for each ack, for a 1 MiB and a 64 MiB buffer: the ring (4 slots;
