@@ -31,7 +31,7 @@ import numpy as np
 
 from ._errors import DescriptorError
 
-__all__ = ["BACKEND_CODES", "Descriptor"]
+__all__ = ["BACKEND_CODES", "Descriptor", "Template"]
 
 MAGIC = b"GPSH"
 VERSION = 1
@@ -39,6 +39,11 @@ BACKEND_CODES = {"host": 1, "cuda_ipc": 2, "cuda_vmm": 3, "cuda_pool": 4}
 _BACKEND_NAMES = {code: name for name, code in BACKEND_CODES.items()}
 _HEAD = struct.Struct("<4sBBH16sQIQQQ16s")
 _CRC = struct.Struct("<I")
+_LENGTH = struct.Struct("<H")
+_LEASE = struct.Struct("<Q")
+_LEASE_AT = struct.calcsize("<4sBBH16sQI")  # where the lease id sits in the head
+_MIN_SIZE = _HEAD.size + 4 * _LENGTH.size + 1 + _CRC.size
+_PARSED_MAX = 256
 _MAX_NDIM = 32
 _MAX_FIELD = 4096
 
@@ -70,6 +75,18 @@ class Descriptor(NamedTuple):
         return math.prod(self.shape) * _dtype(self.dtype).itemsize
 
     def to_bytes(self) -> bytes:
+        body = b"".join(self._parts())
+        return body + _CRC.pack(zlib.crc32(body))
+
+    def template(self) -> Template:
+        """This descriptor's bytes with the lease id and the ready event left open: what
+        a sharer keeps per buffer view, so each pickling only patches those two."""
+        parts = self._parts()
+        head, event_length, event = parts[0], parts[7], parts[8]
+        assert event_length == _LENGTH.pack(len(event))
+        return Template(head[:_LEASE_AT], head[_LEASE_AT + _LEASE.size :] + b"".join(parts[1:7]), b"".join(parts[9:]))
+
+    def _parts(self) -> list[bytes]:
         address = self.address.encode()
         dtype = self.dtype.encode()
         parts = [
@@ -88,14 +105,31 @@ class Descriptor(NamedTuple):
             )
         ]
         for field in (address, self.handle, dtype, self.event):
-            parts.append(struct.pack("<H", len(field)))
+            parts.append(_LENGTH.pack(len(field)))
             parts.append(field)
         parts.append(struct.pack(f"<B{len(self.shape)}q", len(self.shape), *self.shape))
-        body = b"".join(parts)
-        return body + _CRC.pack(zlib.crc32(body))
+        return parts
 
     @classmethod
     def from_bytes(cls, data: object) -> Descriptor:
+        """Parse and check ``data``. A receiver sees the same descriptor again and again
+        with only the lease id (and the checksum) changed: those it parses once and
+        keeps (bounded), checking only the checksum of later arrivals."""
+        if type(data) is bytes and len(data) >= _MIN_SIZE:
+            key = data[:_LEASE_AT] + data[_LEASE_AT + _LEASE.size : -_CRC.size]
+            known = _parsed.get(key)
+            if known is not None and zlib.crc32(data[: -_CRC.size]) == _CRC.unpack_from(data, len(data) - 4)[0]:
+                (lease_id,) = _LEASE.unpack_from(data, _LEASE_AT)
+                return tuple.__new__(cls, (*known[:5], lease_id, *known[6:]))
+            desc = cls._parse(data)
+            if len(_parsed) >= _PARSED_MAX:
+                _parsed.clear()
+            _parsed[key] = desc
+            return desc
+        return cls._parse(data)
+
+    @classmethod
+    def _parse(cls, data: object) -> Descriptor:
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise DescriptorError(f"a buffer descriptor is bytes, got {type(data).__name__}")
         data = bytes(data)
@@ -128,7 +162,7 @@ class Descriptor(NamedTuple):
         fields = []
         try:
             for _ in range(4):
-                (length,) = struct.unpack_from("<H", body, pos)
+                (length,) = _LENGTH.unpack_from(body, pos)
                 pos += 2
                 if length > _MAX_FIELD or pos + length > len(body):
                     raise DescriptorError("buffer descriptor has a field running past its end")
@@ -172,3 +206,26 @@ class Descriptor(NamedTuple):
                 f"of a {desc.alloc_nbytes}-byte allocation"
             )
         return desc
+
+
+_parsed: dict[bytes, Descriptor] = {}  # see Descriptor.from_bytes
+
+
+class Template:
+    """A descriptor's bytes with two holes: the lease id and the ready event.
+
+    :meth:`fill` gives exactly what :meth:`Descriptor.to_bytes` would for
+    the same descriptor with that lease id and event, for a join and a CRC
+    instead of rebuilding every field.
+    """
+
+    __slots__ = ("_mid", "_post", "_pre")
+
+    def __init__(self, pre: bytes, mid: bytes, post: bytes) -> None:
+        self._pre = pre  # the head up to the lease id
+        self._mid = mid  # the rest of the head, owner address, handle, dtype
+        self._post = post  # the shape
+
+    def fill(self, lease_id: int, event: bytes) -> bytes:
+        body = b"".join((self._pre, _LEASE.pack(lease_id), self._mid, _LENGTH.pack(len(event)), event, self._post))
+        return body + _CRC.pack(zlib.crc32(body))

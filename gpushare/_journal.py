@@ -90,13 +90,22 @@ class JournalWriter:
             raise
         self.fd: int | None = fd  # sent to the owner once, then closed (the mapping stays)
         self.head = 0  # records written
+        self._limit = CAPACITY  # head may grow to this without reading the owner's tail again
 
     def unconsumed(self) -> int:
         """Records written and not yet consumed by the owner."""
         return self.head - _TAIL.unpack_from(self._mm, 0)[0]
 
+    def full(self) -> bool:
+        """Whether no record can be written now. Reads the owner's ``tail`` only when the
+        room known from its last reading is used up (one shared-memory read saved per record)."""
+        if self.head < self._limit:
+            return False
+        self._limit = _TAIL.unpack_from(self._mm, 0)[0] + CAPACITY
+        return self.head >= self._limit
+
     def append(self, kind: int, lease_id: int) -> None:
-        """Write one record. The caller checked ``unconsumed() < CAPACITY``."""
+        """Write one record. The caller checked ``not full()``."""
         n = self.head
         value = lease_id << 1 | kind
         _RECORD.pack_into(self._mm, _RECORDS_AT + (n % CAPACITY) * _RECORD.size, value, _mix(value, n))

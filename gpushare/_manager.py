@@ -219,14 +219,17 @@ class BufferManager(SyncManager):
         slots: int = 4,
         consumers: int = 1,
         backend: str | None = None,
+        spin: bool | float = False,
     ) -> Ring:
         """A ring of ``slots`` pre-shared buffers for producer -> consumers pipelines.
 
         Pickle the ring into each consumer (e.g. as a Process argument);
-        ``publish()`` first waits for ``consumers`` registrations. See
+        ``publish()`` first waits for ``consumers`` registrations. ``spin``
+        (True, or seconds) makes both ends busy-wait on shared memory that
+        long before they sleep: lower latency for a core per process. See
         :class:`~gpushare.Ring` and the protocol in ``gpushare._ring``.
         """
-        ring = create_ring(self, shape, dtype, device, slots=slots, consumers=consumers, backend=backend)
+        ring = create_ring(self, shape, dtype, device, slots=slots, consumers=consumers, backend=backend, spin=spin)
         self._rings.add(ring)
         return ring
 

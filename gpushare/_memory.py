@@ -50,6 +50,7 @@ class Memory:
         "owner_token",
         "pending",
         "source",
+        "templates",
     )
 
     def __init__(
@@ -85,6 +86,9 @@ class Memory:
         # process) and whether this arrival has not been waited for on the host yet.
         self.event = event
         self.pending = event is not None
+        # Sharer side: descriptor templates per (offset, shape, dtype, handle) view,
+        # filled with a lease id and a ready event at each pickling (_reduction).
+        self.templates: dict[tuple[Any, ...], Any] | None = None
         self._count = 0
         self._lock = threading.Lock()
 

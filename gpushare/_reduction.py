@@ -10,6 +10,18 @@ No pointer and no live driver object is ever pickled: the descriptor
 names the memory, and :func:`rebuild_buffer` maps it again in the
 receiving process (or finds it, when that process is the owner).
 
+A pickling costs a lease and a ready event, never a new description: the
+sharer keeps one descriptor template per buffer view on the Memory
+(:class:`~gpushare._descriptor.Template`) and fills in only the lease id
+and the event, so putting one buffer on N queues (or N times on one)
+builds its descriptor once. Each pickling still takes its own lease (each
+receiver holds one) and records its own ready event: gpushare cannot know
+whether the producer queued more work on the stream since the last put,
+and a write between two puts must be ordered before the second receiver
+reads. Recording is cheap (a driver call; nothing when the stream is idle,
+see ``_lifetime._ReadyEvents``); what is not repeated is the Python that
+describes the buffer.
+
 Pickling a *released* buffer raises
 :class:`~gpushare._errors.BufferReleasedError` at the sender, where the
 mistake is, instead of sending something the receiver cannot use.
@@ -35,6 +47,10 @@ def descriptor_of(buf: Buffer) -> Descriptor:
     buf._check()
     memory = buf._memory
     lease_id, event = memory.source.share(memory)
+    return _describe(buf, memory, lease_id, event)
+
+
+def _describe(buf: Buffer, memory: Any, lease_id: int, event: bytes) -> Descriptor:
     return Descriptor(
         backend=memory.backend.name,
         owner_token=memory.owner_token,
@@ -53,7 +69,18 @@ def descriptor_of(buf: Buffer) -> Descriptor:
 
 
 def reduce_buffer(buf: Buffer) -> tuple[Any, tuple[bytes]]:
-    return (rebuild_buffer, (descriptor_of(buf).to_bytes(),))
+    """``(rebuild_buffer, (descriptor bytes,))`` with a new lease: the hot path of every put."""
+    buf._check()
+    memory = buf._memory
+    lease_id, event = memory.source.share(memory)  # sets memory.handle on the first share
+    key = (buf._offset, buf._shape, buf._dtype.str, memory.handle)
+    templates = memory.templates
+    if templates is None:
+        templates = memory.templates = {}
+    template = templates.get(key)
+    if template is None:
+        template = templates[key] = _describe(buf, memory, 0, b"").template()
+    return (rebuild_buffer, (template.fill(lease_id, event),))
 
 
 def rebuild_buffer(data: bytes) -> Buffer:

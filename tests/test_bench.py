@@ -74,3 +74,22 @@ def test_cli_host_run_writes_the_reports(tmp_path: Path) -> None:
     host = report["scenarios"]["host"]
     assert "gpushare (in place)" in json.dumps(host)
     assert ": ERROR" not in done.stderr, done.stderr
+
+
+def test_per_queue_fan_out_and_ring_round_trip_run_on_the_host(tmp_path: Path) -> None:
+    """The one-Queue-per-consumer pattern (its own floor, the host backend, 2 consumers) and
+    the ring's round trip (plain and spin columns)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "gpushare.bench", "--backend", "host", "--quick", "--iters", "3"]
+    cmd += ["--consumers", "1,2", "--only", "handoff_per_queue,ring_roundtrip", "--out", str(tmp_path)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=200, check=False)
+    assert done.returncode == 0, done.stderr
+    assert ": ERROR" not in done.stderr, done.stderr
+    report = json.loads((tmp_path / "benchmarks.json").read_text(encoding="utf-8"))
+    scenario = json.dumps(report["scenarios"]["handoff_per_queue"])
+    assert "mp.Queue per consumer" in scenario and "gpushare host" in scenario
+    markdown = (tmp_path / "benchmarks.md").read_text(encoding="utf-8")
+    assert "## 1 MiB buffer to N consumers through one Queue per consumer" in markdown
+    assert "| consumers | floor (mp.Queue per consumer) | gpushare host | gpushare host / floor |" in markdown
+    roundtrip = report["scenarios"]["ring_roundtrip"]
+    assert "gpushare host spin" in json.dumps(roundtrip) and "## Ring round trip" in markdown

@@ -43,6 +43,30 @@ def test_host_descriptor_round_trip() -> None:
     assert Descriptor.from_bytes(desc.to_bytes()) == desc
 
 
+@pytest.mark.parametrize("event", [b"", bytes(range(64, 128))])
+def test_template_fills_in_exactly_what_to_bytes_writes(event: bytes) -> None:
+    template = make(lease_id=0, event=b"").template()
+    for lease_id in (1, 42, 2**63 + 5):
+        assert template.fill(lease_id, event) == make(lease_id=lease_id, event=event).to_bytes()
+
+
+def test_known_descriptor_parses_with_its_own_lease_and_still_checks_its_checksum() -> None:
+    """The receiver's parse cache: same buffer, new lease id each time."""
+    first = Descriptor.from_bytes(make(lease_id=1000).to_bytes())
+    assert first.lease_id == 1000
+    for lease_id in (1001, 1002):
+        again = Descriptor.from_bytes(make(lease_id=lease_id).to_bytes())
+        assert again == make(lease_id=lease_id) and type(again) is Descriptor
+    data = bytearray(make(lease_id=1003).to_bytes())
+    data[-10] ^= 0x5A  # a byte of the shape: the key misses, the full parse catches it
+    with pytest.raises(mp.DescriptorError, match="checksum"):
+        Descriptor.from_bytes(bytes(data))
+    data = bytearray(make(lease_id=1004).to_bytes())
+    data[36] ^= 0x01  # a bit of the lease id: the key hits, the checksum does not match
+    with pytest.raises(mp.DescriptorError, match="checksum"):
+        Descriptor.from_bytes(bytes(data))
+
+
 @pytest.mark.parametrize("cut", [0, 1, 4, 20, 60, 100])
 def test_truncated(cut: int) -> None:
     with pytest.raises(mp.DescriptorError):

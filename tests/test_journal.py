@@ -48,10 +48,13 @@ def test_records_come_back_in_order_across_many_laps() -> None:
 def test_a_full_journal_says_so_and_frees_room_as_it_is_read() -> None:
     writer, reader = pair()
     for i in range(_journal.CAPACITY):
+        assert not writer.full()
         writer.append(_journal.CLAIM, i + 1)
     assert writer.unconsumed() == _journal.CAPACITY
+    assert writer.full() and writer.full()  # still full: the owner has read nothing
     assert len(reader.read()) == _journal.CAPACITY
     assert writer.unconsumed() == 0
+    assert not writer.full()  # the owner's new tail is read once the known room is used up
     writer.close()
     reader.close()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import glob
 import os
 import pickle
+import select
 import shutil
 import signal
 import time
@@ -19,6 +20,7 @@ from conftest import wait_until
 
 import gpushare as mp
 from gpushare import _backends
+from gpushare._ring._channel import ENTRY, INLINE_META, Channel
 
 SHAPE = (32, 16)
 
@@ -67,9 +69,9 @@ def report_end(ring, results) -> None:
         results.put(("ended", count, value, str(exc)))
 
 
-def produce_then_wait(rings, results, control) -> None:
+def produce_then_wait(rings, results, control, spin=False) -> None:
     with mp.Manager() as m:
-        ring = m.ring(SHAPE, "float32", device="cpu", slots=2, consumers=1)
+        ring = m.ring(SHAPE, "float32", device="cpu", slots=2, consumers=1, spin=spin)
         results.put(
             ("left behind", m._process.pid, [os.path.dirname(m._owner.address), os.path.dirname(ring._core.address)])
         )
@@ -347,6 +349,106 @@ def test_consumers_zero_and_consumer_gc_releases(manager) -> None:
         assert ring.stats()["busy"] == 0 and ring.stats()["free"] == 2
 
 
+# -- shared-memory signalling and spin mode -----------------------------------------------
+
+
+def test_handoffs_send_nothing_on_the_socket(manager) -> None:
+    """Items and releases travel through the shared channel; only a meta too long to go
+    inline (and the end of the ring) uses the consumer's socket."""
+    with manager.ring(SHAPE, "int32", device="cpu", slots=2, consumers=1) as ring:
+        consumer = pickle.loads(pickle.dumps(ring))
+        fd = consumer._conn.fileno()
+        for step in range(6):
+            buf = ring.acquire(timeout=5)
+            buf.fill(step)
+            ring.publish(buf, {"step": step}, timeout=5)
+            assert select.select([fd], [], [], 0)[0] == []  # nothing on the socket
+            with consumer.get(timeout=5) as item:
+                assert item.meta == {"step": step} and int(item.numpy()[0, 0]) == step
+        assert ring.stats()["free"] == 2  # releases came back through the release words
+        big = "x" * (INLINE_META + 1)
+        ring.publish(ring.acquire(timeout=5), big, timeout=5)
+        assert select.select([fd], [], [], 0)[0] == [fd]  # this meta went on the socket
+        with consumer.get(timeout=5) as item:
+            assert item.meta == big
+        consumer.close()
+
+
+def test_long_and_short_metas_keep_their_order(manager, reap) -> None:
+    results = mp.Queue()
+    long_meta = {"pad": "y" * (INLINE_META * 3)}
+    with manager.ring(SHAPE, "float32", device="cpu", slots=2, consumers=1) as ring:
+        start(reap, consume_all, ring, results, "metas")
+        for step in range(12):
+            buf = ring.acquire(timeout=30)
+            buf.fill(step * 1.5)
+            ring.publish(buf, {"step": step, **(long_meta if step % 3 == 0 else {})}, timeout=30)
+    _, _, seen, _, _ = results.get(timeout=30)
+    assert [seq for seq, *_ in seen] == list(range(12))
+    for seq, _, value, uniform, meta in seen:
+        assert value == seq * 1.5 and uniform and meta["step"] == seq
+        assert ("pad" in meta) == (seq % 3 == 0)
+
+
+def test_spin_mode_delivers_every_item_in_order(manager, reap) -> None:
+    results = mp.Queue()
+    # One slot: the producer's acquire() waits (spinning, then sleeping) for both
+    # consumers' releases every step, and each consumer's get() for every publish.
+    with manager.ring(SHAPE, "float32", device="cpu", slots=1, consumers=2, spin=0.002) as ring:
+        assert ring.spin == 0.002
+        for tag in ("a", "b"):
+            start(reap, consume_all, ring, results, tag)
+        produce(ring, 30)
+    for _, _, seen, _, _ in (results.get(timeout=30) for _ in range(2)):
+        check_in_order(seen, range(30))
+    with pytest.raises(ValueError, match="spin"):
+        manager.ring(SHAPE, device="cpu", spin=-1)
+
+
+def test_spinning_consumer_notices_producer_death(reap) -> None:
+    """A consumer that spins, then sleeps, still wakes on its socket's EOF."""
+    rings, results, control, consumer_results = mp.Queue(), mp.Queue(), mp.Queue(), mp.Queue()
+    producer = start(reap, produce_then_wait, rings, results, control, True)
+    kind, server_pid, dirs = results.get(timeout=30)
+    try:
+        start(reap, consume_until_error, rings, consumer_results)
+        assert consumer_results.get(timeout=30) == ("got", 7.0)
+        assert results.get(timeout=30) == ("published", producer.pid)
+        os.kill(producer.pid, signal.SIGKILL)
+        kind, message, waited = consumer_results.get(timeout=30)
+        assert kind == "OwnerGoneError" and "exited without closing the ring" in message
+        assert waited < 5
+    finally:
+        producer.kill()
+        producer.join(timeout=10)
+        _clean_up_after(producer.pid, server_pid, dirs)
+
+
+def test_channel_entries_check_their_index_and_contents() -> None:
+    """An entry not yet written, torn, or left from the previous lap is not taken."""
+    producer = Channel.create(3)
+    consumer = Channel(os.dup(producer.fd), 3)
+    try:
+        assert consumer.take(0) is None and not consumer.ready(0)  # never written
+        producer.put(0, 2, 40, b"meta")
+        assert consumer.take(0) == (2, 40, b"meta")
+        assert consumer.take(3) is None  # entry 0's place, one lap later: not written yet
+        producer.put(1, 1, 41, None)
+        assert consumer.take(1) == (1, 41, None)  # its meta follows on the socket
+        producer.put(2, 0, 42, b"abc")
+        at = consumer._entries + 2 * ENTRY + 24
+        consumer.mm[at : at + 1] = b"X"  # a byte of the body not yet visible: the checksum fails
+        assert consumer.take(2) is None
+        producer.put(2, 0, 42, b"abc")
+        assert consumer.take(2) == (0, 42, b"abc")
+        assert not producer.released(1, 41)
+        consumer.release(1, 41)
+        assert producer.released(1, 41) and not producer.released(1, 45)
+    finally:
+        consumer.close()
+        producer.close()
+
+
 # -- GPU ---------------------------------------------------------------------------------
 
 
@@ -360,3 +462,126 @@ def test_ring_on_gpu_in_order(manager, reap) -> None:
     _, _, seen, ptrs_per_slot, _ = results.get(timeout=60)
     check_in_order(seen, range(20))
     assert ptrs_per_slot == {0: 1, 1: 1, 2: 1}
+
+
+def _report_errors(fn, ring, results, *args) -> None:
+    """Run a GPU worker; send its traceback instead of dying silently."""
+    try:
+        fn(ring, results, *args)
+    except BaseException:
+        import traceback
+
+        results.put(("error", traceback.format_exc()))
+
+
+def _gpu_read_published(ring, results, how) -> None:
+    import torch
+
+    torch.zeros(1, device="cuda")
+    results.put(("ready",))
+    with ring.get(timeout=60) as item:
+        if how == "numpy":
+            values = item.numpy()  # waits on the host for the slot's ready event
+        else:
+            values = torch.from_dlpack(item).cpu().numpy()  # torch's stream waits on it
+        results.put(("seen", float(values.min()), float(values.max())))
+
+
+def _gpu_slow_reader(ring, results) -> None:
+    import torch
+
+    torch.zeros(1, device="cuda")
+    for attempt in range(4):
+        item = ring.get(timeout=60)
+        src = torch.from_dlpack(item)
+        torch.cuda._sleep(3_000_000_000 << attempt)  # a long kernel on the default stream...
+        copy = src.clone()  # ...and our read of the slot queued behind it
+        del src
+        item.release()  # records our release event; nothing waits here
+        running = not torch.cuda.current_stream().query()
+        results.put(("released", running))
+        torch.cuda.synchronize()
+        results.put(("copied", float(copy.min()), float(copy.max()), running))
+        if running:
+            return
+
+
+def _require_torch():
+    """pytest.importorskip, without letting an import-time warning become an error."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return pytest.importorskip("torch")
+
+
+def _gpu_result(results, timeout=120):
+    message = results.get(timeout=timeout)
+    if message[0] == "error":
+        pytest.fail(f"worker failed:\n{message[1]}")
+    return message
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("how", ["numpy", "torch_dlpack"])
+def test_ring_consumer_waits_for_a_producer_kernel_still_running_at_publish(manager, reap, how) -> None:
+    """Per-slot events: publish records the slot's event, the consumer orders after it
+    (no device-wide synchronize anywhere)."""
+    torch = _require_torch()
+    results = mp.Queue()
+    with manager.ring((1 << 22,), "float32", device=0, slots=1, consumers=1) as ring:
+        start(reap, _report_errors, _gpu_read_published, ring, results, how, device=0)
+        assert _gpu_result(results) == ("ready",)
+        buf = ring.acquire(timeout=30)
+        t = torch.from_dlpack(buf)
+        for attempt in range(4):  # a long kernel on the default stream, still running at publish()
+            torch.cuda._sleep(3_000_000_000 << attempt)
+            t.fill_(7.0)  # queued behind it
+            if not torch.cuda.current_stream().query():
+                break
+            t.zero_()
+            torch.cuda.synchronize()
+        else:
+            pytest.fail("could not keep a producer kernel running long enough to test anything")
+        del t
+        ring.publish(buf, timeout=30)
+        assert _gpu_result(results, 60) == ("seen", 7.0, 7.0), "consumer read before the producer's kernel finished"
+
+
+@pytest.mark.gpu
+def test_ring_producer_write_waits_for_a_consumer_read_still_running_at_release(manager, reap) -> None:
+    """The consumer's release event: the producer's next write of the slot (default
+    stream) runs after the consumer's queued read, though neither side synchronized."""
+    torch = _require_torch()
+    results = mp.Queue()
+    with manager.ring((1 << 22,), "float32", device=0, slots=1, consumers=1) as ring:
+        start(reap, _report_errors, _gpu_slow_reader, ring, results, device=0)
+        for _ in range(4):
+            buf = ring.acquire(timeout=60)
+            torch.from_dlpack(buf).fill_(1.0)
+            ring.publish(buf, timeout=60)
+            assert _gpu_result(results)[0] == "released"
+            again = ring.acquire(timeout=60)  # the same slot: our stream waits on the consumer's release event
+            torch.from_dlpack(again).fill_(2.0)
+            tag, low, high, running = _gpu_result(results)
+            again.release()  # not published: free again
+            assert tag == "copied"
+            assert (low, high) == (1.0, 1.0), "the producer overwrote the slot under the consumer's read"
+            if running:
+                break
+        else:
+            pytest.fail("could not keep a consumer kernel running long enough to test anything")
+
+
+@pytest.mark.gpu
+def test_cuda_ring_consumer_in_the_producers_own_process(manager) -> None:
+    """No interprocess events there (the driver refuses to open them in their own process)."""
+    with manager.ring(SHAPE, "float32", device=0, slots=2, consumers=1) as ring:
+        consumer = pickle.loads(pickle.dumps(ring))
+        for step in range(4):
+            buf = ring.acquire(timeout=10)
+            buf.fill(step + 0.5)
+            ring.publish(buf, step, timeout=10)
+            with consumer.get(timeout=10) as item:
+                assert item.meta == step and float(item.numpy()[0, 0]) == step + 0.5
+        consumer.close()

@@ -647,6 +647,17 @@ def event_synchronize(event: Any, ordinal: int) -> None:
         _check("cuEventSynchronize", driver.cuEventSynchronize(event))
 
 
+def stream_idle(ordinal: int, stream: int = 0) -> bool:
+    """Whether every piece of work queued on ``stream`` (0: the legacy default stream)
+    has finished (``cuStreamQuery``; about a microsecond, never blocks)."""
+    with on_device(ordinal) as driver:
+        result = driver.cuStreamQuery(driver.CUstream(stream))
+        if result[0] == driver.CUresult.CUDA_ERROR_NOT_READY:
+            return False
+        _check("cuStreamQuery", result)
+        return True
+
+
 def stream_wait_event(stream: int, event: Any, ordinal: int) -> None:
     """Make ``stream`` (an int handle; 1 and 2 are the legacy and per-thread default
     streams) wait for ``event`` without blocking the host."""

@@ -40,7 +40,7 @@ class _Recorder(_Channel):
                     self._unhold(lease_id, alloc_id)
                 if self._journal_lock.acquire(blocking=False):
                     try:
-                        if self._journal is journal and not self._backlog and journal.unconsumed() < _journal.CAPACITY:
+                        if self._journal is journal and not self._backlog and not journal.full():
                             journal.append(kind, lease_id)
                             if journal.head - self._nudged_at >= _journal.NUDGE_AT:
                                 if journal.unconsumed() >= _journal.NUDGE_AT:
@@ -102,7 +102,7 @@ class _Recorder(_Channel):
             if journal is None:  # closed: the owner learns the rest from the connection's end
                 return True
             while self._backlog:
-                if journal.unconsumed() >= _journal.CAPACITY:
+                if journal.full():
                     return False
                 kind, lease_id, alloc_id, accounted = self._backlog[0]
                 if kind == _RELEASE and not accounted:

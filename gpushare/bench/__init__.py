@@ -39,6 +39,13 @@ What one iteration is, per scenario (one producer, N consumer processes):
     allocates one per iteration and drops it after the acks (each
     library's pool or caching allocator recycles the memory, as it would
     in a pipeline).
+``handoff_per_queue``
+    The recycled handoff with one Queue per consumer (what fan-out scripts
+    often write): the producer puts the same buffer once on each
+    consumer's own Queue and waits for every ack. Its floor is the same
+    pattern carrying the small tuple (``mp.Queue per consumer``); every
+    system (gpushare per backend, torch.multiprocessing, cuda.core) is
+    read as a ratio to it.
 ``ring``
     Fan-out through a ring (``manager.ring(shape, "float32", device=...,
     slots=4, consumers=N, backend=name)``, 1 MiB float32 slots), one column
@@ -51,6 +58,11 @@ What one iteration is, per scenario (one producer, N consumer processes):
     then acks. Ratios are to the *Pipe* floor. Targets, printed per row
     with met / not met: 1 consumer <= 1.5x the Pipe floor; 4 consumers
     <= 80 us; 8 consumers <= 150 us.
+``ring_roundtrip``
+    One round trip through the ring with no Pipe: a 1-slot ring to one
+    consumer, so each ``ring.acquire()`` waits for the consumer's release
+    of the item published before; plain and *spin* columns per backend,
+    shown against the Pipe floor; the spin columns' target is 10 us.
 ``throughput``
     Pipelined handoffs per second to one consumer, the producer never
     waiting for each ack, for a 1 MiB and a 64 MiB buffer: the ring (4 slots;

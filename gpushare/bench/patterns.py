@@ -38,22 +38,28 @@ def queue_fanout(
     extra: Any = None,
     process_kwargs: dict[str, Any] | None = None,
     heavy: bool = False,
+    per_queue: bool = False,
 ) -> list[int]:
-    """One iteration: ``item = produce(i)``, put it N times, collect N acks, ``drop(item)``."""
-    work = ctx.Queue()
+    """One iteration: ``item = produce(i)``, put it N times, collect N acks, ``drop(item)``.
+
+    ``per_queue``: one work Queue per consumer (the item put once on each) instead of
+    one Queue all N consumers read; the acks share one Queue either way.
+    """
+    works = [ctx.Queue() for _ in range(n)] if per_queue else [ctx.Queue()]
     acks = ctx.Queue()
     procs = [
         ctx.Process(
             target=_queue_consumer,
-            args=(kind, work, acks, device, extra),
+            args=(kind, works[i % len(works)], acks, device, extra),
             daemon=True,
             **(process_kwargs or {}),
         )
-        for _ in range(n)
+        for i in range(n)
     ]
+    targets = [works[i % len(works)] for i in range(n)]  # the queue each put goes to
 
     def send_stop() -> None:
-        for _ in procs:
+        for work in targets:
             work.put(None)
 
     try:
@@ -63,7 +69,7 @@ def queue_fanout(
 
         def step(i: int) -> None:
             item = produce(i)
-            for _ in range(n):
+            for work in targets:
                 work.put(item)
             for _ in range(n):
                 _check_ack(_get_ack(acks, procs))
@@ -75,7 +81,7 @@ def queue_fanout(
             return _time_loop(step, cfg.heavy_warmup, cfg.heavy_iters)
         return _time_loop(step, cfg.warmup, cfg.iters)
     finally:
-        _stop(procs, send_stop, [work, acks])
+        _stop(procs, send_stop, [*works, acks])
 
 
 def settled_loop(

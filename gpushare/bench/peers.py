@@ -54,11 +54,12 @@ def pipe_floor(bench: Bench, n: int) -> list[int]:
             conn.close()
 
 
-def queue_floor(bench: Bench, n: int) -> list[int]:
+def queue_floor(bench: Bench, n: int, per_queue: bool = False) -> list[int]:
     import multiprocessing
 
     message = ("job", 0, b"x" * 16)
-    return queue_fanout(bench, multiprocessing.get_context("spawn"), n, "plain", lambda i: message)
+    ctx = multiprocessing.get_context("spawn")
+    return queue_fanout(bench, ctx, n, "plain", lambda i: message, per_queue=per_queue)
 
 
 def stream_floor(bench: Bench) -> list[int]:
@@ -67,7 +68,7 @@ def stream_floor(bench: Bench) -> list[int]:
     return stream_queue(bench, multiprocessing.get_context("spawn"), "plain", ("job", 0, b"x" * 16))
 
 
-def torch_handoff(bench: Bench, n: int, fresh: bool) -> list[int]:
+def torch_handoff(bench: Bench, n: int, fresh: bool, per_queue: bool = False) -> list[int]:
     import torch
     import torch.multiprocessing as tmp
 
@@ -82,7 +83,7 @@ def torch_handoff(bench: Bench, n: int, fresh: bool) -> list[int]:
         return keep
 
     try:
-        return queue_fanout(bench, tmp.get_context("spawn"), n, "torch", produce, device=device)
+        return queue_fanout(bench, tmp.get_context("spawn"), n, "torch", produce, device=device, per_queue=per_queue)
     finally:
         with contextlib.suppress(Exception):
             torch.cuda.ipc_collect()
@@ -103,7 +104,7 @@ def stream_torch(bench: Bench, nbytes: int) -> list[int]:
             torch.cuda.ipc_collect()
 
 
-def cuda_core_handoff(bench: Bench, n: int, fresh: bool) -> list[int]:
+def cuda_core_handoff(bench: Bench, n: int, fresh: bool, per_queue: bool = False) -> list[int]:
     import multiprocessing
 
     cc = _cuda_core()
@@ -139,6 +140,7 @@ def cuda_core_handoff(bench: Bench, n: int, fresh: bool) -> list[int]:
             drop=(lambda buf: buf.close()) if fresh else None,
             device=device,
             extra=mr,
+            per_queue=per_queue,
         )
     finally:
         if kept is not None:

@@ -1,7 +1,10 @@
-"""``handoff_recycled`` / ``handoff_fresh``: a 1 MiB buffer to N consumers through a Queue.
+"""``handoff_recycled`` / ``handoff_fresh`` / ``handoff_per_queue``: a 1 MiB buffer to N
+consumers through Queues.
 
 gpushare (one column per backend) next to torch.multiprocessing and cuda.core; *recycled*
-puts the same buffer every iteration, *fresh* a new one.
+puts the same buffer every iteration, *fresh* a new one, both on one Queue all consumers
+read; *per_queue* puts the same buffer once on each consumer's own Queue (what fan-out
+scripts often do), with its own floor: the same tuple through one Queue per consumer.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..fmt import _gs_label
 from ..patterns import queue_fanout
-from ..peers import cuda_core_handoff, cuda_core_skip, torch_handoff, torch_skip
+from ..peers import cuda_core_handoff, cuda_core_skip, queue_floor, torch_handoff, torch_skip
 from ..results import Scenario, _bind
 from ..settings import CUDA_CORE, GS_NOTE, HANDOFF_SHAPE, TORCH, _gpushare
 
@@ -18,7 +21,18 @@ if TYPE_CHECKING:
     from ..runner import Bench
 
 
-KEYS = ("handoff_recycled", "handoff_fresh")
+KEYS = ("handoff_recycled", "handoff_fresh", "handoff_per_queue")
+PER_QUEUE = "handoff_per_queue"
+PER_QUEUE_FLOOR = "mp.Queue per consumer"
+
+HOW = (
+    "`handoff_per_queue` is the recycled handoff with one work Queue per consumer instead of one shared "
+    "Queue: the producer puts the same 1 MiB buffer once on each consumer's Queue, then waits for every ack "
+    "(one ack Queue, as in the other handoffs). Its floor is measured in the same pattern, a small tuple "
+    "through one `multiprocessing.Queue` per consumer (`mp.Queue per consumer`), and every system's ratio is "
+    "to that floor. Systems: gpushare per backend, torch.multiprocessing and cuda.core, as in the shared-queue "
+    "table."
+)
 
 
 def plan(bench: Bench) -> None:
@@ -37,9 +51,21 @@ def plan(bench: Bench) -> None:
                 bench.task(key, label, str(n), _bind(gpushare_handoff, bench, n, fresh, backend, device), skip)
             bench.task(key, TORCH, str(n), _bind(torch_handoff, bench, n, fresh), torch_skip_reason)
             bench.task(key, CUDA_CORE, str(n), _bind(cuda_core_handoff, bench, n, fresh), core_skip)
+    title = "1 MiB buffer to N consumers through one Queue per consumer, the same buffer every iteration"
+    if bench.add(Scenario(PER_QUEUE, title, "consumers", rows, floor=(PER_QUEUE, PER_QUEUE_FLOOR))):
+        bench.scenarios[PER_QUEUE].notes.append(GS_NOTE)
+        for n in bench.cfg.consumers:
+            bench.task(PER_QUEUE, PER_QUEUE_FLOOR, str(n), _bind(queue_floor, bench, n, True), None)
+            for label, backend, device, skip in gs_columns:
+                run = _bind(gpushare_handoff, bench, n, False, backend, device, True)
+                bench.task(PER_QUEUE, label, str(n), run, skip)
+            bench.task(PER_QUEUE, TORCH, str(n), _bind(torch_handoff, bench, n, False, True), torch_skip_reason)
+            bench.task(PER_QUEUE, CUDA_CORE, str(n), _bind(cuda_core_handoff, bench, n, False, True), core_skip)
 
 
-def gpushare_handoff(bench: Bench, n: int, fresh: bool, backend: str, device: int | str) -> list[int]:
+def gpushare_handoff(
+    bench: Bench, n: int, fresh: bool, backend: str, device: int | str, per_queue: bool = False
+) -> list[int]:
     gpushare = _gpushare()
 
     m = bench.manager()
@@ -70,7 +96,13 @@ def gpushare_handoff(bench: Bench, n: int, fresh: bool, backend: str, device: in
     buf = m.zeros(HANDOFF_SHAPE, "float32", device=device, backend=backend)
     try:
         return queue_fanout(
-            bench, gpushare.get_context("spawn"), n, kind, lambda i: buf, process_kwargs={"device": device}
+            bench,
+            gpushare.get_context("spawn"),
+            n,
+            kind,
+            lambda i: buf,
+            process_kwargs={"device": device},
+            per_queue=per_queue,
         )
     finally:
         buf.release()

@@ -14,15 +14,20 @@ from ..settings import (
     HANDOFF_SHAPE,
     PIPE_FLOOR_SYSTEM,
     RING_SLOTS,
+    RING_SPIN,
     RING_TARGETS,
     _gpushare,
 )
+from ..stats import Target
 
 if TYPE_CHECKING:
     from ..runner import Bench
 
 
-KEYS = ("ring",)
+KEYS = ("ring", "ring_roundtrip")
+ROUNDTRIP = "ring_roundtrip"
+#: ring_roundtrip's target for its spin columns: one round trip through shared memory.
+SPIN_ROUNDTRIP_TARGET = Target("us_max", 10.0)
 
 HOW = (
     f"`ring` is the same fan-out through a ring of pre-shared slots (`manager.ring(..., slots={RING_SLOTS}, "
@@ -31,12 +36,25 @@ HOW = (
     "`buf = ring.acquire()`, `ring.publish(buf)`, then one ack from every consumer on its own "
     "`multiprocessing.Pipe`, exactly like the Pipe floor's; each consumer `ring.get()`s the item, reads "
     "`item.ptr`, releases it and acks. Its ratios are therefore to the **Pipe** floor (first table), and "
-    "each row shows its target (1 consumer <= 1.5x the Pipe floor, 4 consumers <= 80 us, 8 consumers <= "
-    "150 us) and whether each backend met it."
+    f"each row shows its target (1 consumer <= {RING_TARGETS['1'].limit:g}x the Pipe floor, 4 consumers <= "
+    f"{RING_TARGETS['4'].limit:g} us, 8 consumers <= {RING_TARGETS['8'].limit:g} us) and whether each backend "
+    f"met it. The columns marked *spin* make the ring with `spin={RING_SPIN:g}` (both ends busy-wait on the "
+    "shared memory that long before they sleep); their acks still go through the Pipes.\n\n"
+    "`ring_roundtrip` needs no Pipe: a 1-slot ring to one consumer, so each `ring.acquire()` waits for the "
+    "consumer's release of the item published just before. One iteration: `ring.acquire()` (the previous "
+    "item's release), `ring.publish(buf)`; the consumer `ring.get()`s, reads `item.ptr` and releases, and "
+    "never acks otherwise. It is one round trip through the ring's shared memory and eventfds, shown against "
+    f"the Pipe floor's round trip (1 consumer); the *spin* columns (`spin={RING_SPIN:g}`) have the target "
+    f"{SPIN_ROUNDTRIP_TARGET.text()}."
 )
 
 
 def plan(bench: Bench) -> None:
+    _plan_fanout(bench)
+    _plan_roundtrip(bench)
+
+
+def _plan_fanout(bench: Bench) -> None:
     if not bench.add(
         Scenario(
             "ring",
@@ -58,9 +76,72 @@ def plan(bench: Bench) -> None:
     for n in bench.cfg.consumers:
         for label, backend, device, skip in bench.gs_columns():
             bench.task("ring", label, str(n), _bind(ring_fanout, bench, n, backend, device), skip)
+        for label, backend, device, skip in bench.gs_columns():
+            run = _bind(ring_fanout, bench, n, backend, device, RING_SPIN)
+            bench.task("ring", f"{label} spin", str(n), run, skip)
 
 
-def ring_fanout(bench: Bench, n: int, backend: str, device: int | str) -> list[int]:
+def _plan_roundtrip(bench: Bench) -> None:
+    columns = bench.gs_columns()
+    spin_labels = [f"{label} spin" for label, _, _, _ in columns]
+    if not bench.add(
+        Scenario(
+            ROUNDTRIP,
+            "Ring round trip: a 1-slot ring to one consumer, acquire waits for its release (no Pipe)",
+            "consumers",
+            ["1"],
+            floor=(FLOOR_SCENARIO, PIPE_FLOOR_SYSTEM),
+            targets={"1": SPIN_ROUNDTRIP_TARGET},
+            target_systems=spin_labels,
+        )
+    ):
+        return
+    for label, backend, device, skip in columns:
+        bench.task(ROUNDTRIP, label, "1", _bind(ring_roundtrip, bench, backend, device, 0.0), skip)
+        bench.task(ROUNDTRIP, f"{label} spin", "1", _bind(ring_roundtrip, bench, backend, device, RING_SPIN), skip)
+
+
+def ring_roundtrip(bench: Bench, backend: str, device: int | str, spin: float) -> list[int]:
+    """One iteration: acquire the only slot (the consumer released the last item), publish it."""
+    import multiprocessing
+
+    gpushare = _gpushare()
+    m = bench.manager()
+    ring = m.ring(HANDOFF_SHAPE, "float32", device=device, slots=1, consumers=1, backend=backend, spin=spin)
+    a, b = multiprocessing.get_context("spawn").Pipe()
+    procs: list[Any] = []
+    try:
+        ctx = gpushare.get_context("spawn")
+        # checkpoints=(): the consumer acks nothing after "ready"; its release is the ack.
+        procs = [ctx.Process(target=_ring_consumer, args=(ring, b, ()), daemon=True, device=device)]
+
+        def send_stop() -> None:
+            with contextlib.suppress(Exception):
+                ring.close()
+            with contextlib.suppress(Exception):
+                a.send(None)
+
+        try:
+            procs[0].start()
+            b.close()
+            _await_ready(_pipes_poll([a]), procs, 1)
+
+            def step(i: int) -> None:
+                buf = ring.acquire(timeout=ACK_TIMEOUT)
+                ring.publish(buf, timeout=ACK_TIMEOUT)
+
+            return _time_loop(step, bench.cfg.warmup, bench.cfg.iters)
+        finally:
+            _stop(procs, send_stop)
+    finally:
+        with contextlib.suppress(Exception):
+            ring.close()
+        for conn in (a, b):
+            with contextlib.suppress(Exception):
+                conn.close()
+
+
+def ring_fanout(bench: Bench, n: int, backend: str, device: int | str, spin: float = 0.0) -> list[int]:
     """One iteration: acquire a slot, publish it to N consumers, wait for N acks (one Pipe each)."""
     import multiprocessing
 
@@ -68,7 +149,7 @@ def ring_fanout(bench: Bench, n: int, backend: str, device: int | str) -> list[i
     m = bench.manager()
     cfg = bench.cfg
     # BackendUnavailableError here, before any consumer starts.
-    ring = m.ring(HANDOFF_SHAPE, "float32", device=device, slots=RING_SLOTS, consumers=n, backend=backend)
+    ring = m.ring(HANDOFF_SHAPE, "float32", device=device, slots=RING_SLOTS, consumers=n, backend=backend, spin=spin)
     pairs: list[tuple[Any, Any]] = []
     procs: list[Any] = []
     try:

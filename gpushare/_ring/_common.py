@@ -1,0 +1,170 @@
+"""What both ends of a ring share: socket framing, the slot buffer, limits."""
+
+from __future__ import annotations
+
+import math
+import os
+import struct
+from typing import Any
+
+from .._buffer import Buffer
+
+#: Seconds a registration step (either side) may take before it is abandoned.
+REGISTER_TIMEOUT = 30.0
+#: Seconds a send to one consumer may stay blocked (its socket full) before that consumer is dropped.
+SEND_TIMEOUT = 30.0
+#: Seconds ``spin=True`` spins before it sleeps in ``poll``.
+SPIN_DEFAULT = 0.005
+MAX_SLOTS = 1 << 16
+MAX_META = 1 << 20
+
+# Socket frames after registration (producer -> consumer only): a meta too long
+# for its shared-memory entry, and the end of the ring.
+META = 1
+CLOSED = 2
+
+_LENGTH = struct.Struct("!i")  # multiprocessing.connection's message header
+_LONG_LENGTH = struct.Struct("!Q")
+
+
+def poll_ms(timeout: float | None) -> int:
+    return -1 if timeout is None else max(0, math.ceil(timeout * 1000))
+
+
+def check_spin(spin: object) -> float:
+    """``spin=`` as seconds (False: 0, True: SPIN_DEFAULT), or a ValueError."""
+    if spin is True:
+        return SPIN_DEFAULT
+    if spin is False or spin is None:
+        return 0.0
+    if isinstance(spin, (int, float)) and 0 <= spin <= 10:
+        return float(spin)
+    raise ValueError(f"spin={spin!r} must be True, False or seconds to spin before sleeping (0 to 10)")
+
+
+def send_frame(fd: int, message: bytes) -> None:
+    """Write one message in multiprocessing's Connection framing (what ``send_bytes``
+    writes, without its per-call overhead); raises OSError like it."""
+    data = memoryview(_LENGTH.pack(len(message)) + message)
+    while data:
+        data = data[os.write(fd, data) :]
+
+
+class Frames:
+    """Messages in multiprocessing's Connection framing, read with one ``os.read`` per wakeup.
+
+    Only used after registration, which goes through the Connection itself
+    (it buffers nothing, so no byte is lost).
+    """
+
+    __slots__ = ("buf", "fd")
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.buf = bytearray()
+
+    def read(self) -> bool:
+        """Read what is available (blocks until something is); False at EOF."""
+        data = os.read(self.fd, 1 << 16)
+        self.buf += data
+        return bool(data)
+
+    def pop(self) -> bytes | None:
+        """The next complete message, or None."""
+        buf = self.buf
+        if len(buf) < 4:
+            return None
+        (size,) = _LENGTH.unpack_from(buf)
+        start = 4
+        if size == -1:  # Connection's header for messages over 2 GiB
+            if len(buf) < 12:
+                return None
+            (size,) = _LONG_LENGTH.unpack_from(buf, 4)
+            start = 12
+        end = start + size
+        if len(buf) < end:
+            return None
+        message = bytes(buf[start:end])
+        del buf[:end]
+        return message
+
+
+class _Drop:
+    """Buffer's finalizer for ring items, without a ``weakref.finalize`` per item.
+
+    Has what Buffer uses of a finalizer (``alive``, calling it once);
+    :meth:`SlotBuffer.__del__` calls it when the item is collected.
+    """
+
+    __slots__ = ("_memory", "alive")
+
+    def __init__(self, memory: Any) -> None:
+        self._memory = memory
+        self.alive = True
+
+    def __call__(self) -> None:
+        memory, self._memory = self._memory, None
+        if memory is not None:
+            self.alive = False
+            memory.drop_one()
+
+
+class SlotBuffer(Buffer):
+    """A ring slot as handed out: by :meth:`Ring.acquire` (producer) or :meth:`RingConsumer.get`.
+
+    A Buffer viewing the slot's memory, plus ``slot`` (the index),
+    ``sequence`` (the publication number; None in the producer) and
+    ``meta`` (what the producer published with it). ``release()`` gives
+    the slot back to the ring, then releases this view: touching it
+    afterwards raises BufferReleasedError, because the slot may already
+    be rewritten.
+    """
+
+    __slots__ = ("_epoch", "_on_release", "_ring", "meta", "sequence", "slot")
+
+    def __init__(
+        self, base: Buffer, ring: object, slot: int, sequence: int | None, epoch: int, meta: Any, on_release: Any
+    ) -> None:
+        # Buffer.__init__ without its weakref.finalize (a third of an item's cost):
+        # __del__ drops the memory count instead.
+        memory = base._memory
+        self._memory = memory
+        self._offset = base._offset
+        self._shape = base._shape
+        self._dtype = base._dtype
+        self._export = None
+        memory.acquire()
+        self._finalizer = _Drop(memory)  # type: ignore[assignment]
+        self._ring = ring
+        self.slot = slot
+        self.sequence = sequence
+        self.meta = meta
+        self._epoch = epoch
+        self._on_release: Any = on_release  # None once the slot went back (or was published)
+
+    def _give_back(self) -> None:
+        callback, self._on_release = self._on_release, None
+        if callback is not None:
+            callback(self.slot, self._epoch)
+
+    def release(self) -> None:
+        """Give the slot back to the ring (once), then release this view. Idempotent."""
+        self._give_back()
+        super().release()
+
+    def __del__(self) -> None:
+        # Cheaper than a second weakref.finalize per item; the callbacks only
+        # write shared memory or enqueue, and never raise.
+        try:
+            if getattr(self, "_on_release", None) is not None:
+                self._give_back()
+            self._finalizer()
+        except Exception:  # interpreter shutdown
+            pass
+
+    def __repr__(self) -> str:
+        state = "released" if self.released else self.backend
+        return (
+            f"<gpushare ring slot {self.slot} sequence={self.sequence} shape={self.shape} dtype={self.dtype} "
+            f"device={self.device!r} {state}>"
+        )

@@ -1,0 +1,673 @@
+"""The producer's end of a ring: slot states, registration, publishing, releases.
+
+See :mod:`gpushare._ring` for the protocol. Locks: ``_io`` serializes
+everything that touches consumer channels and sockets or closes them
+(acquire, publish, stats, close); ``_lock`` guards the slot states and the
+consumer table, which registration threads also touch. Order: ``_io``
+before ``_lock``. Finalizers only enqueue and wake (``_deferred``), never
+take a lock.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import os
+import queue
+import select
+import socket
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from multiprocessing import AuthenticationError, connection, current_process, reduction
+from multiprocessing.reduction import ForkingPickler
+from typing import Any, NoReturn
+
+from .. import _cuda
+from .._buffer import Buffer
+from .._errors import BackendUnavailableError, RingClosedError
+from .._service import UnixListener, accept, socket_timeouts
+from . import _channel
+from ._channel import INLINE_META, Channel, poke, soak
+from ._common import (
+    CLOSED,
+    MAX_META,
+    MAX_SLOTS,
+    META,
+    REGISTER_TIMEOUT,
+    SEND_TIMEOUT,
+    Frames,
+    SlotBuffer,
+    check_spin,
+    poll_ms,
+    send_frame,
+)
+
+__all__ = ["Producer", "Ring", "create_ring"]
+
+log = logging.getLogger("gpushare")
+
+_FREE, _ACQUIRED, _PUBLISHED = 0, 1, 2
+
+
+@dataclass(eq=False)
+class _Consumer:
+    cid: int
+    conn: connection.Connection
+    pid: int
+    frames: Frames
+    channel: Channel
+    wake: int  # its eventfd: one count per item published to it
+    events: list[Any] = field(default_factory=list)  # its per-slot release events, opened here (CUDA)
+    head: int = 0  # entries published to it
+    holds: set[int] = field(default_factory=set)
+    dead: bool = False
+
+
+def _by_cid(consumers: set[_Consumer]) -> list[_Consumer]:
+    return sorted(consumers, key=lambda c: c.cid)
+
+
+def _destroy_events(events: list[Any], device: int | str) -> None:
+    for event in events:
+        try:
+            _cuda.event_destroy(event, device)  # type: ignore[arg-type]
+        except Exception:
+            log.exception("gpushare: destroying a ring event failed")
+
+
+class Producer:
+    """The producer's state and service; :class:`Ring` is its public handle."""
+
+    def __init__(self, buffers: list[Buffer], wanted: int, authkey: bytes, spin: float = 0.0) -> None:
+        self.buffers = buffers
+        self.n = len(buffers)
+        self.wanted = wanted
+        self.authkey = authkey
+        self.spin = spin
+        self.device = buffers[0].device
+        self._cuda = isinstance(self.device, int)
+        # Per-slot ready events: recorded at publish, waited on by consumers (CUDA only).
+        self._events: list[Any] = []
+        handles: list[bytes] = []
+        if self._cuda:
+            try:
+                for _ in range(self.n):
+                    event, handle = _cuda.event_create_ipc(self.device)  # type: ignore[arg-type]
+                    self._events.append(event)
+                    handles.append(handle)
+            except BaseException:
+                _destroy_events(self._events, self.device)
+                raise
+            # Destroyed only when the core goes: consumers may still wait on them.
+            weakref.finalize(self, _destroy_events, self._events, self.device)
+        self.info = {
+            "slots": self.n,
+            "shape": buffers[0].shape,
+            "dtype": buffers[0].dtype.str,
+            "pid": os.getpid(),
+            "spin": spin,
+        }
+        self._handles = handles
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._io = threading.Lock()
+        self._state = [_FREE] * self.n
+        self._seq = [0] * self.n
+        self._epoch = [0] * self.n
+        self._holders: list[set[_Consumer]] = [set() for _ in range(self.n)]
+        self._last: list[list[_Consumer]] = [[] for _ in range(self.n)]  # who read a slot last (CUDA waits)
+        self._busy: set[int] = set()  # published slots some consumer still holds
+        self._free = collections.deque(range(self.n))
+        self._consumers: dict[int, _Consumer] = {}
+        self._version = 0  # bumped whenever _consumers changes; the poller follows it
+        self._registered = 0
+        self._published = 0
+        self._cids = itertools.count(1)
+        self._deferred: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
+        self.closed: str | None = None
+        self._poller: Any = None
+        self._poll_version = -1
+        self._by_fd: dict[int, _Consumer] = {}
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._release_fd = _channel.eventfd()  # every consumer's releases wake it
+        # Closed only when the core goes: a finalizer of a buffer handed out
+        # earlier may still write to them, and a reused fd number must never be.
+        for fd in (self._wake_r, self._wake_w, self._release_fd):
+            weakref.finalize(self, os.close, fd)
+        self._listener = UnixListener("ring", self._register, backlog=64)
+        self.address = self._listener.address
+
+    # -- registration (service threads) ---------------------------------------
+    def _register(self, sock: socket.socket) -> None:
+        try:
+            conn = accept(sock, self.authkey, REGISTER_TIMEOUT)
+        except (AuthenticationError, OSError, EOFError) as exc:
+            log.warning("gpushare: a ring consumer failed to register: %s", exc)
+            return
+        channel: Channel | None = None
+        wake = -1
+        events: list[Any] = []
+        try:
+            socket_timeouts(conn.fileno(), REGISTER_TIMEOUT, REGISTER_TIMEOUT)
+            hello = conn.recv()
+            pid = int(hello[1])
+            if self.closed is not None:
+                conn.send(("closed", self.closed))
+                conn.close()
+                return
+            channel = Channel.create(self.n)
+            wake = _channel.eventfd()
+            # One lease per slot, claimed by the consumer; then its channel's fds.
+            conn.send(("slots", self.buffers, self._handles))
+            with socket.socket(fileno=os.dup(conn.fileno())) as raw:
+                reduction.sendfds(raw, [channel.fd, wake, self._release_fd])
+            os.close(channel.fd)  # the mapping stays; the consumer has its own fd
+            channel.fd = -1
+            reply = conn.recv()
+            if not (isinstance(reply, tuple) and reply and reply[0] == "ready"):
+                raise EOFError("the consumer did not confirm its registration")
+            for handle in reply[1] if self._cuda else ():
+                events.append(_cuda.event_open(handle, self.device))  # type: ignore[arg-type]
+            socket_timeouts(conn.fileno(), 0, SEND_TIMEOUT)
+        except Exception as exc:  # e.g. the ring closed while its slots were being pickled
+            log.warning("gpushare: a ring consumer failed to register: %r", exc)
+            self._discard(conn, channel, wake, events)
+            return
+        with self._lock:
+            if self.closed is None:
+                try:
+                    # Sent under the lock that publish() snapshots consumers with, so
+                    # no item can reach this consumer before it.
+                    conn.send(("registered",))
+                except OSError as exc:
+                    log.warning("gpushare: a ring consumer failed to register: %s", exc)
+                else:
+                    consumer = _Consumer(next(self._cids), conn, pid, Frames(conn.fileno()), channel, wake, events)
+                    self._consumers[consumer.cid] = consumer
+                    self._version += 1
+                    self._registered += 1
+                    self._cond.notify_all()
+                    return
+            reason = self.closed
+        if reason is not None:  # closed while this consumer registered
+            try:
+                conn.send(("closed", reason))
+            except OSError:
+                pass
+        self._discard(conn, channel, wake, events)
+
+    def _discard(self, conn: connection.Connection, channel: Channel | None, wake: int, events: list[Any]) -> None:
+        conn.close()
+        if channel is not None:
+            channel.close()
+        if wake >= 0:
+            os.close(wake)
+        _destroy_events(events, self.device)
+
+    # -- releases (under _io) ----------------------------------------------------
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"!")
+        except OSError:  # pipe full (already woken) or closed
+            pass
+
+    def unpublished(self, slot: int, epoch: int) -> None:
+        """Finalizer of an acquired buffer: if it was not published, its slot is free again."""
+        self._deferred.put((slot, epoch))
+        self._wake()
+
+    def _apply_deferred(self) -> bool:
+        freed = False
+        while True:
+            try:
+                slot, epoch = self._deferred.get_nowait()
+            except queue.Empty:
+                return freed
+            with self._lock:
+                if self._state[slot] == _ACQUIRED and self._epoch[slot] == epoch:
+                    self._state[slot] = _FREE
+                    self._free.append(slot)
+                    freed = True
+
+    def _collect(self) -> bool:
+        """Apply the release words consumers wrote; True if a slot went free."""
+        freed = False
+        with self._lock:
+            for slot in list(self._busy):
+                holders = self._holders[slot]
+                seq = self._seq[slot]
+                for c in [c for c in holders if c.channel.released(slot, seq)]:
+                    holders.discard(c)
+                    c.holds.discard(slot)
+                    self._last[slot].append(c)
+                if not holders:
+                    self._busy.discard(slot)
+                    self._state[slot] = _FREE
+                    self._free.append(slot)
+                    freed = True
+        return freed
+
+    def _current_poller(self) -> Any:
+        if self._poll_version != self._version:
+            with self._lock:
+                consumers = list(self._consumers.values())
+                self._poll_version = self._version
+            poller = select.poll()
+            poller.register(self._wake_r, select.POLLIN)
+            poller.register(self._release_fd, select.POLLIN)
+            for c in consumers:
+                poller.register(c.conn.fileno(), select.POLLIN)
+            self._poller = poller
+            self._by_fd = {c.conn.fileno(): c for c in consumers}
+        return self._poller
+
+    def _drain(self, timeout: float | None) -> None:
+        """Wait at most ``timeout`` (0: do not wait) for a release, an EOF or a wakeup,
+        then apply everything that is there."""
+        self._apply_deferred()
+        for fd, events in self._current_poller().poll(poll_ms(timeout)):
+            if fd == self._wake_r:
+                try:
+                    os.read(self._wake_r, 4096)
+                except BlockingIOError:
+                    pass
+            elif fd == self._release_fd:
+                soak(fd)
+            else:
+                consumer = self._by_fd.get(fd)
+                if consumer is not None and not consumer.dead:
+                    self._read(consumer, bool(events & select.POLLHUP))
+        self._apply_deferred()
+        self._collect()
+
+    def _read(self, consumer: _Consumer, hung_up: bool) -> None:
+        """A consumer socket is readable: after registration that can only be its end
+        (EOF), or a protocol error; either way the consumer goes."""
+        try:
+            alive = consumer.frames.read()
+            while alive and hung_up:
+                alive = consumer.frames.read()
+        except OSError:
+            alive = False
+        if alive:
+            log.warning("gpushare: unexpected message from ring consumer pid %s; dropping it", consumer.pid)
+        self._collect()  # what it released before it went still counts
+        self._drop(consumer)
+
+    def _drop(self, consumer: _Consumer) -> None:
+        """The consumer exited, died or broke the protocol: free everything it held. Under _io."""
+        with self._lock:
+            if consumer.dead:
+                return
+            consumer.dead = True
+            self._consumers.pop(consumer.cid, None)
+            self._version += 1
+            for slot in consumer.holds:
+                holders = self._holders[slot]
+                holders.discard(consumer)
+                if not holders and self._state[slot] == _PUBLISHED:
+                    self._busy.discard(slot)
+                    self._state[slot] = _FREE
+                    self._free.append(slot)
+            consumer.holds.clear()
+        log.info("gpushare: ring consumer pid %s is gone; its slots are free again", consumer.pid)
+        self._close_consumer(consumer)
+
+    def _close_consumer(self, consumer: _Consumer) -> None:
+        consumer.frames.fd = -1  # never write to a closed (maybe reused) fd number
+        consumer.conn.close()
+        consumer.channel.close()
+        wake, consumer.wake = consumer.wake, -1
+        if wake >= 0:
+            os.close(wake)
+        # Its release events stay open: a slot it read may still be waited on at acquire().
+
+    # -- producer API ---------------------------------------------------------
+    def _raise_closed(self) -> NoReturn:
+        raise RingClosedError(f"this ring was closed ({self.closed}); make a new ring with manager.ring(...)")
+
+    def acquire(self, owner: Ring, timeout: float | None) -> SlotBuffer:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._io.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+            raise TimeoutError(f"acquire() waited {timeout:g} s for another thread using this ring")
+        try:
+            spin_until = time.monotonic() + self.spin if self.spin else 0.0
+            # Releases are applied only when no slot is free: they wait in the
+            # release words meanwhile.
+            while True:
+                with self._lock:
+                    if self.closed is not None:
+                        self._raise_closed()
+                    if self._free:
+                        slot = self._free.popleft()
+                        self._state[slot] = _ACQUIRED
+                        self._epoch[slot] += 1
+                        epoch = self._epoch[slot]
+                        readers, self._last[slot] = self._last[slot], []
+                        break
+                if self._collect() or self._apply_deferred():
+                    continue
+                now = time.monotonic()
+                if now < spin_until:
+                    os.sched_yield()  # free: returns at once unless another process waits for this core
+                    continue
+                remaining = None if deadline is None else deadline - now
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(self._busy_message(timeout))
+                self._drain(remaining)
+            if self._cuda:
+                # The producer's writes (default stream) wait for the consumers' reads
+                # of this slot's last publication, without blocking the host.
+                for c in readers:
+                    if not c.dead and c.events:
+                        _cuda.stream_wait_event(0, c.events[slot], self.device)  # type: ignore[arg-type]
+            # Made under _io: close() releases the slot buffers only after taking it.
+            return SlotBuffer(self.buffers[slot], owner, slot, None, epoch, None, self.unpublished)
+        finally:
+            self._io.release()
+
+    def _busy_message(self, timeout: float | None) -> str:
+        with self._lock:
+            held = [
+                f"slot {i} (sequence {self._seq[i]}) by pid(s) {', '.join(str(c.pid) for c in _by_cid(h))}"
+                for i, h in enumerate(self._holders)
+                if self._state[i] == _PUBLISHED
+            ]
+            acquired = self._state.count(_ACQUIRED)
+        parts = [f"all {self.n} slots of the ring are still busy after {timeout:g} s"]
+        if held:
+            parts.append("held: " + "; ".join(held))
+        if acquired:
+            parts.append(f"{acquired} acquired here and not yet published (publish() or release() them)")
+        return (
+            ". ".join(parts) + ". Consumers must release every item they get (item.release(), "
+            "'with ring.get() as item:' or 'for item in ring'); if they are only slow, wait longer or add slots"
+        )
+
+    def publish(self, buf: Buffer, meta: Any, timeout: float | None, stream: int | None = None) -> int:
+        if self.closed is not None:
+            self._raise_closed()
+        if not isinstance(buf, SlotBuffer) or not isinstance(buf._ring, Ring) or buf._ring._core is not self:
+            raise ValueError("publish() takes a buffer returned by this ring's acquire()")
+        if buf._on_release is None:
+            raise ValueError(f"slot {buf.slot} was already published or released; acquire() a slot for each publish()")
+        payload = b"" if meta is None else bytes(ForkingPickler.dumps(meta))  # unpicklable meta fails here
+        if len(payload) > MAX_META:
+            raise ValueError(
+                f"meta pickles to {len(payload)} bytes; it travels with every handoff and must stay "
+                f"under {MAX_META} bytes. Put bulk data in the slot itself"
+            )
+        inline = payload if len(payload) <= INLINE_META else None
+        self._await_consumers(timeout)
+        slot = buf.slot
+        if self._cuda:
+            # Consumers wait on this event (per slot), not on the whole device.
+            _cuda.event_record(self._events[slot], self.device, 0 if stream is None else int(stream))  # type: ignore[arg-type]
+        with self._io:
+            with self._lock:
+                if self.closed is not None:
+                    self._raise_closed()
+                if self._state[slot] != _ACQUIRED or self._epoch[slot] != buf._epoch:
+                    raise ValueError(f"slot {slot} is not acquired by this buffer any more; acquire() again")
+                seq = self._published
+                self._published += 1
+                self._seq[slot] = seq
+                targets = list(self._consumers.values())
+                if targets:
+                    self._state[slot] = _PUBLISHED
+                    self._holders[slot] = set(targets)
+                    self._busy.add(slot)
+                    for c in targets:
+                        c.holds.add(slot)
+                else:
+                    self._state[slot] = _FREE
+                    self._free.append(slot)
+            for c in targets:
+                if inline is None:
+                    try:
+                        send_frame(c.frames.fd, bytes([META]) + payload)  # before its entry
+                    except OSError:  # gone, or stuck for SEND_TIMEOUT: drop it
+                        self._drop(c)
+                        continue
+                c.channel.put(c.head, slot, seq, inline)
+                c.head += 1
+                poke(c.wake)
+        buf._on_release = None  # published: the slot is the consumers' now, not free
+        Buffer.release(buf)
+        return seq
+
+    def _await_consumers(self, timeout: float | None) -> None:
+        if self._registered >= self.wanted:
+            return
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._registered < self.wanted and self.closed is None:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(
+                        f"publish() waited {timeout:g} s for {self.wanted} consumer(s) to register; "
+                        f"{self._registered} did. A consumer registers when a worker unpickles the ring "
+                        "(pass it as a Process argument or through a queue); start the consumers, wait "
+                        "longer, or make the ring with a smaller consumers="
+                    )
+                self._cond.wait(remaining)
+        if self.closed is not None:
+            self._raise_closed()
+
+    def stats(self) -> dict[str, Any]:
+        if self._io.acquire(timeout=1.0):  # another thread blocked in acquire() drains anyway
+            try:
+                if self.closed is None:
+                    self._drain(0)
+            finally:
+                self._io.release()
+        with self._lock:
+            return {
+                "slots": self.n,
+                "free": len(self._free),
+                "acquired": self._state.count(_ACQUIRED),
+                "busy": self._state.count(_PUBLISHED),
+                "consumers": len(self._consumers),
+                "consumer_pids": sorted(c.pid for c in self._consumers.values()),
+                "registered": self._registered,
+                "published": self._published,
+                "closed": self.closed is not None,
+            }
+
+    def close(self, reason: str) -> None:
+        with self._lock:
+            if self.closed is not None:
+                return
+            self.closed = reason
+            self._cond.notify_all()
+        self._wake()  # a thread blocked in acquire() sees the close and leaves _io
+        with self._io:
+            with self._lock:
+                consumers = list(self._consumers.values())
+                self._consumers.clear()
+                self._version += 1
+            message = bytes([CLOSED]) + reason.encode()
+            for c in consumers:
+                c.dead = True
+                try:
+                    # After every item: the consumer reads those first. Non-blocking: a
+                    # consumer that stopped reading sees EOF instead, and close() never waits.
+                    os.set_blocking(c.frames.fd, False)
+                    send_frame(c.frames.fd, message)
+                except OSError:
+                    pass
+                poke(c.wake)
+                self._close_consumer(c)
+            self._poller = None
+            self._by_fd = {}
+        self._listener.close()
+        for b in self.buffers:
+            b.release()  # acquired, unpublished buffers keep their memory until they go too
+
+
+class Ring:
+    """The producer end of a ring of pre-shared slots (made by ``manager.ring(...)``).
+
+    ::
+
+        with manager.ring((64, 1024), "float32", slots=4, consumers=2) as ring:
+            workers = [mp.Process(target=consume, args=(ring,)) for _ in range(2)]
+            ...
+            for step in range(steps):
+                buf = ring.acquire(timeout=10)   # a free slot (blocks while all are busy)
+                buf.copy_from(batch)             # write it
+                ring.publish(buf, meta=step)     # hand it to every registered consumer
+
+        def consume(ring):                       # the ring unpickles as a RingConsumer
+            for item in ring:                    # until the producer closes the ring
+                use(item, item.meta)             # released when the loop moves on
+
+    Pickling a Ring gives a consumer end (:class:`RingConsumer`); each
+    unpickling registers one consumer. See :mod:`gpushare._ring` for the
+    protocol. The producer's methods are meant for one thread; ``close()``
+    and ``stats()`` may come from another.
+    """
+
+    def __init__(self, core: Producer) -> None:
+        self._core = core
+        self._finalizer = weakref.finalize(
+            self, core.close, "the producer's Ring was garbage collected without close()"
+        )
+
+    @property
+    def slots(self) -> int:
+        return self._core.n
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._core.buffers[0].shape
+
+    @property
+    def dtype(self) -> Any:
+        return self._core.buffers[0].dtype
+
+    @property
+    def device(self) -> int | str:
+        """The CUDA ordinal of the slots in this process, or ``"cpu"``."""
+        return self._core.device
+
+    @property
+    def backend(self) -> str:
+        return self._core.buffers[0].backend
+
+    @property
+    def spin(self) -> float:
+        """Seconds each end spins on shared memory before it sleeps (0: never spins)."""
+        return self._core.spin
+
+    @property
+    def closed(self) -> bool:
+        return self._core.closed is not None
+
+    def acquire(self, timeout: float | None = None) -> Buffer:
+        """A free slot's buffer, to write and then :meth:`publish`.
+
+        Blocks while every slot is held by some consumer (or acquired and
+        not yet published), applying releases as they arrive; after
+        ``timeout`` seconds raises :class:`TimeoutError` naming who holds
+        what. Releasing the returned buffer without publishing it returns
+        the slot. Raises :class:`RingClosedError` once the ring is closed.
+        On CUDA the producer's default stream is made to wait for the
+        consumers' reads of the slot (their release events): write the slot
+        on the default stream, or synchronize with it first.
+        """
+        return self._core.acquire(self, timeout)
+
+    def publish(self, buf: Buffer, meta: Any = None, *, timeout: float | None = None, stream: int | None = None) -> int:
+        """Hand ``buf`` (from :meth:`acquire`) to every registered consumer; return its sequence number.
+
+        ``meta`` (small and picklable; no Buffers: it is pickled once for
+        every consumer) travels with it as ``item.meta``. Until
+        ``consumers`` consumers have registered, waits for them, for at
+        most ``timeout`` seconds (then :class:`TimeoutError`). On CUDA the
+        slot's ready event is recorded on ``stream`` (an int handle; default
+        the legacy default stream, where torch's and CuPy's default work
+        runs) and consumers order their reads after it: work on other
+        streams that writes the slot must be ordered before that stream.
+        ``buf`` is released here: the slot belongs to the consumers until
+        they all release it.
+        """
+        return self._core.publish(buf, meta, timeout, stream)
+
+    def close(self) -> None:
+        """End the ring: consumers get every item already published, then RingClosedError
+        (their iteration stops). Idempotent; never blocks on consumers."""
+        self._core.close("the producer called close()")
+
+    def stats(self) -> dict[str, Any]:
+        """Slots ``free``/``acquired``/``busy`` (held by consumers), ``consumers`` (live, with
+        ``consumer_pids``), ``registered`` (ever), ``published`` (items so far), ``closed``."""
+        return self._core.stats()
+
+    def _not_a_consumer(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise TypeError(
+            "this is the producer end of the ring (acquire/publish); consumers get theirs by unpickling "
+            "it: pass the ring as a spawned Process argument, or through a queue or a pipe. (Under the "
+            "fork start method Process arguments are inherited, not pickled: send the ring through a queue)"
+        )
+
+    get = items = release = __iter__ = _not_a_consumer
+
+    def __enter__(self) -> Ring:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        if self._core.closed is not None:
+            raise RingClosedError(
+                f"cannot pickle a closed ring ({self._core.closed}): it has no items left to give a consumer"
+            )
+        from ._consumer import attach
+
+        return (attach, (self._core.address, self._core.info))
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"{len(self._core._consumers)} consumer(s)"
+        return (
+            f"<gpushare.Ring slots={self.slots} shape={self.shape} dtype={self.dtype} device={self.device!r} {state}>"
+        )
+
+
+def create_ring(
+    manager: Any,
+    shape: Any,
+    dtype: Any = "float32",
+    device: Any = None,
+    *,
+    slots: int = 4,
+    consumers: int = 1,
+    backend: str | None = None,
+    spin: bool | float = False,
+) -> Ring:
+    """Allocate ``slots`` buffers with ``manager`` and start the ring's service (all or nothing)."""
+    if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= MAX_SLOTS:
+        raise ValueError(f"slots={slots!r} must be an int from 1 to {MAX_SLOTS}")
+    if isinstance(consumers, bool) or not isinstance(consumers, int) or consumers < 0:
+        raise ValueError(f"consumers={consumers!r} must be an int >= 0 (how many registrations publish() waits for)")
+    spin_s = check_spin(spin)
+    if not _channel.available():
+        raise BackendUnavailableError(
+            "rings need memfd_create and eventfd (Linux); on this platform send buffers through a Queue or a Pipe"
+        )
+    buffers: list[Buffer] = []
+    try:
+        for _ in range(slots):
+            buffers.append(manager.empty(shape, dtype, device, backend=backend))
+        core = Producer(buffers, consumers, bytes(current_process().authkey), spin_s)
+    except BaseException:
+        for b in buffers:
+            b.release()
+        raise
+    return Ring(core)
