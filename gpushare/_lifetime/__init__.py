@@ -64,6 +64,23 @@ a lease on), ``("err", req, message)``, ``("claim_failed", lease, message)``
 (an asynchronous claim was refused), ``("unmap", alloc)``, ``("bye", reason)``.
 The owner reads a consumer's journal before it handles any message from
 it, so records always count before whatever the consumer sent after them.
+
+Where each part lives (the Owner and the Link are their parts stacked, each part a
+class whose docstring states its share of the protocol):
+
+* owner side: ``_pool`` (the owner's state and the size-class pool), ``_leases`` (the
+  lease table; deferred finalizer work; reading the consumers' journals), ``_unmap``
+  (the unmap protocol and freeing), ``_serve`` (the socket service loop, the message
+  handler, housekeeping), ``_owner`` (``Owner``: allocation, owner references, stats,
+  shutdown); ``_records`` holds the slot, lease and peer records;
+* consumer side: ``_channel`` (requests, the reader thread, answering ``unmap``),
+  ``_recorder`` (lease records: the journal writer and its backlog), ``_link``
+  (``Link``: connecting, attaching descriptors, closing; ``attach`` and the per-process
+  links);
+* both: ``_common`` (constants, the ready events).
+
+The service hands out :class:`~gpushare._memory.Memory` references; the layer above
+(:mod:`gpushare._reduction`, the Manager) wraps them in Buffers.
 """
 
 from __future__ import annotations
