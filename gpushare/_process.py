@@ -96,7 +96,7 @@ def _dispatch_table() -> dict[Any, Any]:
     import cloudpickle
 
     table = dict(copyreg.dispatch_table)
-    table.update(ForkingPickler._extra_reducers)
+    table.update(ForkingPickler._extra_reducers)  # type: ignore[attr-defined]
     for kind, reducer in cloudpickle.Pickler.dispatch_table.items():
         if copyreg.dispatch_table.get(kind) is not reducer:
             table[kind] = reducer
