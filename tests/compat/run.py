@@ -214,7 +214,7 @@ def check_type(type_: str, intended: dict[str, str], select: str | None) -> Verd
     if not_passed:
         again = run_child("gpushare", type_, not_passed, RERUN_TIMEOUT)
         stdlib = run_child("multiprocessing", type_, not_passed, RERUN_TIMEOUT)
-    for test_id, (outcome, detail) in sorted(outcomes.items()):
+    for test_id, (outcome, _) in sorted(outcomes.items()):
         if outcome in PASSED:
             verdict.passed += 1
             continue
