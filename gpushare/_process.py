@@ -31,6 +31,7 @@ import os
 import pickle
 import sys
 import types
+from multiprocessing import reduction as _mp_reduction
 from multiprocessing.process import BaseProcess
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
@@ -80,26 +81,34 @@ def _in_main(main: Any, obj: Any) -> bool:
 
 
 def _dispatch_table() -> dict[Any, Any]:
-    """copyreg's reducers, then ForkingPickler's, then cloudpickle's own.
+    """copyreg's reducers, then cloudpickle's own, then ForkingPickler's.
 
     ForkingPickler's registrations (multiprocessing.heap's Arena, connections,
-    sockets, torch's tensors and storages, gpushare's Buffer) win over a
-    type's default ``__reduce__``, as they do in multiprocessing. cloudpickle's
-    entries win for the few types it reduces itself (methods, code, cells,
-    properties ...): they are what lets a method of a lambda-bearing object
-    travel; multiprocessing's reducers for those types only exist because old
-    picklers could not pickle methods at all. Built at each pickling: a
-    library may register a reducer at any time.
+    sockets, torch's tensors and storages, gpushare's Buffer, a user's own)
+    win, as they do in multiprocessing. Built at each pickling: a library may
+    register a reducer at any time. Bound methods go by reference
+    (``getattr(self, name)``, multiprocessing's way) when that finds the same
+    method, and by cloudpickle's way only when it does not: cloudpickle would
+    send a classmethod's function by value, with a copy of its module's
+    globals instead of the child's module.
     """
     import copyreg
 
     import cloudpickle
 
     table = dict(copyreg.dispatch_table)
+    table.update(cloudpickle.Pickler.dispatch_table)
+    cloud_method = table.get(types.MethodType)
     table.update(ForkingPickler._extra_reducers)  # type: ignore[attr-defined]
-    for kind, reducer in cloudpickle.Pickler.dispatch_table.items():
-        if copyreg.dispatch_table.get(kind) is not reducer:
-            table[kind] = reducer
+    if table.get(types.MethodType) is getattr(_mp_reduction, "_reduce_method", None) and cloud_method is not None:
+
+        def reduce_method(method: Any) -> Any:
+            name = method.__func__.__name__
+            if getattr(method.__self__, name, None) == method:
+                return (getattr, (method.__self__, name))
+            return cloud_method(method)
+
+        table[types.MethodType] = reduce_method
     return table
 
 

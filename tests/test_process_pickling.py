@@ -61,8 +61,15 @@ def count_and_wait(barrier, value, array, slot: int) -> None:
     barrier.wait(30)
 
 
+MODE = "as imported"
+
+
 class Holder:
     """A target's ``self`` that is also passed as an argument."""
+
+    @classmethod
+    def report_mode(cls, out) -> None:
+        out.put(MODE)
 
     def __init__(self, out) -> None:
         self.out = out
@@ -155,6 +162,18 @@ def test_a_target_and_its_arguments_keep_their_identity(reap) -> None:
     proc.start()
     reap.append(proc)
     assert out.get(timeout=60) is True
+    _join(proc)
+
+
+def test_a_classmethod_target_runs_in_the_childs_module(reap, monkeypatch) -> None:
+    # By reference, as with multiprocessing: the child imports this module afresh, so the
+    # parent's change to a module global is not seen (a by-value copy would carry it).
+    monkeypatch.setattr(sys.modules[__name__], "MODE", "changed in the parent")
+    out = mp.Queue()
+    proc = mp.Process(target=Holder.report_mode, args=(out,))
+    proc.start()
+    reap.append(proc)
+    assert out.get(timeout=60) == "as imported"
     _join(proc)
 
 
