@@ -1,6 +1,6 @@
 """`make compat`: CPython's own multiprocessing tests, run against gpushare.
 
-Usage: ``python tests/compat/run.py [--types processes,manager] [--target gpushare] [-k SUBSTRING]``
+Usage: ``python tests/compat/run.py [--types processes,manager] [--target gpushare|multiprocessing] [-k SUBSTRING]``
 
 The interpreter that runs this script is the one tested: its
 ``test._test_multiprocessing`` (CPython's suite for that version) is built
@@ -199,12 +199,12 @@ class Verdict:
     stdlib_too: list[str] = field(default_factory=list)
 
 
-def check_type(type_: str, intended: dict[str, str], select: str | None) -> Verdict:
-    first = run_child("gpushare", type_, None, FULL_RUN_TIMEOUT)
+def check_type(type_: str, intended: dict[str, str], select: str | None, target: str = "gpushare") -> Verdict:
+    first = run_child(target, type_, None, FULL_RUN_TIMEOUT)
     outcomes = {k: v for k, v in first.outcomes.items() if select is None or select in k}
     not_passed = sorted(k for k, (outcome, _) in outcomes.items() if outcome not in PASSED)
     print(
-        f"[{type_}] gpushare: {len(outcomes)} tests in {first.seconds:.0f} s"
+        f"[{type_}] {target}: {len(outcomes)} tests in {first.seconds:.0f} s"
         + (f" (stopped {first.timed_out})" if first.timed_out else "")
         + f"; {len(not_passed)} did not pass: re-running them against gpushare and against multiprocessing",
         flush=True,
@@ -212,7 +212,7 @@ def check_type(type_: str, intended: dict[str, str], select: str | None) -> Verd
     verdict = Verdict()
     again = stdlib = Run()
     if not_passed:
-        again = run_child("gpushare", type_, not_passed, RERUN_TIMEOUT)
+        again = run_child(target, type_, not_passed, RERUN_TIMEOUT)
         stdlib = run_child("multiprocessing", type_, not_passed, RERUN_TIMEOUT)
     for test_id, (outcome, _) in sorted(outcomes.items()):
         if outcome in PASSED:
@@ -243,6 +243,12 @@ def check_type(type_: str, intended: dict[str, str], select: str | None) -> Verd
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--types", default=",".join(TYPES), help="comma-separated: processes, manager")
+    parser.add_argument(
+        "--target",
+        default="gpushare",
+        choices=("gpushare", "multiprocessing"),
+        help="the namespace under test; 'multiprocessing' is the baseline (to time it, or see this machine's results)",
+    )
     parser.add_argument("-k", dest="select", default=None, help="judge only tests whose id contains this")
     parser.add_argument("--child", metavar="OUT", help=argparse.SUPPRESS)
     parser.add_argument("--ids", metavar="FILE", help=argparse.SUPPRESS)
@@ -267,11 +273,11 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown type(s) {unknown}; valid: {', '.join(TYPES)}")
     intended = intended_differences()
-    print(f"compat: CPython's multiprocessing tests ({version}), spawn, against gpushare", flush=True)
+    print(f"compat: CPython's multiprocessing tests ({version}), spawn, against {args.target}", flush=True)
     began = time.monotonic()
     total = Verdict()
     for type_ in types:
-        verdict = check_type(type_, intended, args.select)
+        verdict = check_type(type_, intended, args.select, args.target)
         print(
             f"[{type_}] {verdict.passed} passed, {len(verdict.failed)} failed, {verdict.skipped} skipped; "
             f"{len(verdict.intended)} intended difference(s)",
