@@ -13,6 +13,7 @@ RUNNER = os.path.join(ROOT, "tests", "compat", "run.py")
 _spec = importlib.util.spec_from_file_location("gpushare_compat_run", RUNNER)
 assert _spec is not None and _spec.loader is not None
 compat_run = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = compat_run  # its dataclasses look their module up there
 _spec.loader.exec_module(compat_run)
 
 
