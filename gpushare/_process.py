@@ -32,6 +32,7 @@ import pickle
 import sys
 import types
 from multiprocessing import reduction as _mp_reduction
+from multiprocessing.context import get_spawning_popen
 from multiprocessing.process import BaseProcess
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
@@ -104,9 +105,11 @@ def _dispatch_table() -> dict[Any, Any]:
 
         def reduce_method(method: Any) -> Any:
             name = method.__func__.__name__
-            if getattr(method.__self__, name, None) == method:
-                return (getattr, (method.__self__, name))
-            return cloud_method(method)
+            try:
+                found = getattr(method.__self__, name, None) == method
+            except Exception:  # an attribute that raises: not findable by name
+                found = False
+            return (getattr, (method.__self__, name)) if found else cloud_method(method)
 
         table[types.MethodType] = reduce_method
     return table
@@ -137,7 +140,7 @@ def dumps(obj: Any) -> bytes:
 
 
 def _rebuild_process(data: bytes) -> Any:
-    """In the child: the process object, from :meth:`GpuProcessMixin.__reduce__`'s bytes."""
+    """In the child: the process object, from :meth:`GpuProcessMixin.__reduce_ex__`'s bytes."""
     cls, state = pickle.loads(data)
     process = cls.__new__(cls)
     process.__dict__.update(state)
@@ -200,9 +203,11 @@ class GpuProcessMixin(BaseProcess):
             )
         super().start()
 
-    def __reduce__(self) -> tuple[Any, tuple[bytes]]:
-        # Called by multiprocessing's Popen while it spawns the child: the whole
-        # process object goes as one stream of :func:`dumps` (see the module docstring).
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        if get_spawning_popen() is None:  # not a child's start (copy.copy, say): as multiprocessing does
+            return super().__reduce_ex__(protocol)
+        # multiprocessing's Popen spawning the child: the whole process object
+        # goes as one stream of :func:`dumps` (see the module docstring).
         return (_rebuild_process, (dumps((type(self), self.__dict__)),))
 
     def run(self) -> None:

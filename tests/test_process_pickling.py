@@ -236,3 +236,11 @@ def test_unpicklable_argument_is_a_clear_error_at_start(reap) -> None:
     proc = mp.Process(target=report_token, args=(None, threading.Lock()))
     with pytest.raises(TypeError, match="lock"):
         proc.start()
+
+
+def test_copying_a_process_is_not_a_spawn() -> None:
+    import copy
+
+    proc = mp.Process(target=lambda: None, name="original")
+    twin = copy.copy(proc)
+    assert twin.name == "original" and twin._target is proc._target
