@@ -82,6 +82,7 @@ def test_cuda_and_shared_cpu_tensors_as_process_arguments_match_torch_multiproce
 def test_tensor_inside_a_lambda_target_is_shared_too() -> None:
     pytest.importorskip("torch")
     import torch
+    import torch.multiprocessing  # registers torch's reducers with ForkingPickler
 
     cuda_t = torch.zeros(4, device="cuda")
     cpu_t = torch.zeros(4).share_memory_()
