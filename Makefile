@@ -18,6 +18,12 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest tests
 
+# CPython's own multiprocessing tests against gpushare (docs/compat.md); skips, exit 0,
+# where this Python has no `test` package.
+.PHONY: compat
+compat: $(STAMP)
+	$(PY) tests/compat/run.py
+
 test-gpu: $(STAMP)
 	$(PY) -m pytest tests -m gpu --require-gpu
 

@@ -6,10 +6,17 @@ What it adds to :class:`multiprocessing.Process`:
   the device's primary context is made current (the CUDA runtime, and so
   torch and CuPy, pick it up), ``GPUSHARE_DEVICE`` is set so gpushare's own
   defaults follow, and libraries already imported are told too.
-* The target is pickled by reference when it can be and with cloudpickle
-  when it cannot (lambdas, closures, functions of an interactive session).
-  Arguments go through multiprocessing's own pickler, so queues, pipes and
-  buffers in ``args`` travel as they always do.
+* The process object (target, arguments, attributes) travels to a spawned
+  or forkserver child in one pickle stream made by :func:`dumps`: cloudpickle
+  (so lambdas, closures and functions of an interactive session travel by
+  value) with every reducer registered with multiprocessing's
+  ``ForkingPickler`` in its dispatch table (so queues, pipes, locks,
+  ``Value``/``Array``/``Barrier``, buffers, torch tensors -- whatever
+  multiprocessing itself would carry -- travel as they always do), and the
+  main module's functions and classes by reference when the child re-imports
+  that module, exactly as multiprocessing pickles them. One stream keeps
+  object identity: a target's ``self`` that is also in ``args`` arrives as
+  one object.
 * ``start()`` refuses the fork start method once CUDA is initialised in
   this process: a forked child cannot use CUDA, and the error says what to
   use instead.
@@ -19,16 +26,21 @@ What it adds to :class:`multiprocessing.Process`:
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import sys
+import types
+from multiprocessing import reduction as _mp_reduction
+from multiprocessing.context import get_spawning_popen
 from multiprocessing.process import BaseProcess
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from . import _backends, _cuda, _lifetime
 from ._errors import StartMethodError
 
-__all__ = ["GpuProcessMixin", "cuda_initialized"]
+__all__ = ["GpuProcessMixin", "cuda_initialized", "dumps"]
 
 
 def cuda_initialized() -> bool:
@@ -42,33 +54,97 @@ def cuda_initialized() -> bool:
         return False
 
 
-class _CloudTarget:
-    """A target that plain pickle cannot carry, carried by cloudpickle."""
+def _main_module_reimported() -> Any:
+    """The main module when a spawned child re-imports it (as multiprocessing.spawn does), else None.
 
-    def __init__(self, fn: Any) -> None:
-        self.fn = fn
-
-    def __reduce__(self) -> tuple[Any, tuple[bytes]]:
-        import cloudpickle
-
-        return (_load_cloud_target, (cloudpickle.dumps(self.fn),))
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.fn(*args, **kwargs)
-
-
-def _load_cloud_target(data: bytes) -> _CloudTarget:
-    return _CloudTarget(pickle.loads(data))
+    Then the child has the same functions and classes under ``__main__`` and
+    they can travel by reference; otherwise (an interactive session, ``python
+    -c``, ``python -m pkg`` with a ``__main__.py``) only by value.
+    """
+    main = sys.modules.get("__main__")
+    name = getattr(getattr(main, "__spec__", None), "name", None)
+    if name is not None:
+        return None if name == "__main__" or name.endswith(".__main__") else main
+    path = getattr(main, "__file__", None)
+    if path is None or os.path.splitext(os.path.basename(path))[0] == "ipython":
+        return None
+    return main
 
 
-def _portable(target: Any) -> Any:
-    if target is None or isinstance(target, _CloudTarget):
-        return target
-    try:
-        pickle.dumps(target)
-    except Exception:
-        return _CloudTarget(target)
-    return target
+def _in_main(main: Any, obj: Any) -> bool:
+    """True when ``obj`` is reachable as ``__main__.<its qualname>``."""
+    if getattr(obj, "__module__", None) != "__main__":
+        return False
+    found = main
+    for part in getattr(obj, "__qualname__", "<>").split("."):
+        found = getattr(found, part, None)
+    return found is obj
+
+
+def _dispatch_table() -> dict[Any, Any]:
+    """copyreg's reducers, then cloudpickle's own, then ForkingPickler's.
+
+    ForkingPickler's registrations (multiprocessing.heap's Arena, connections,
+    sockets, torch's tensors and storages, gpushare's Buffer, a user's own)
+    win, as they do in multiprocessing. Built at each pickling: a library may
+    register a reducer at any time. Bound methods go by reference
+    (``getattr(self, name)``, multiprocessing's way) when that finds the same
+    method, and by cloudpickle's way only when it does not: cloudpickle would
+    send a classmethod's function by value, with a copy of its module's
+    globals instead of the child's module.
+    """
+    import copyreg
+
+    import cloudpickle
+
+    table = dict(copyreg.dispatch_table)
+    table.update(cloudpickle.Pickler.dispatch_table)
+    cloud_method = table.get(types.MethodType)
+    table.update(ForkingPickler._extra_reducers)  # type: ignore[attr-defined]
+    if table.get(types.MethodType) is getattr(_mp_reduction, "_reduce_method", None) and cloud_method is not None:
+
+        def reduce_method(method: Any) -> Any:
+            name = method.__func__.__name__
+            try:
+                found = getattr(method.__self__, name, None) == method
+            except Exception:  # an attribute that raises: not findable by name
+                found = False
+            return (getattr, (method.__self__, name)) if found else cloud_method(method)
+
+        table[types.MethodType] = reduce_method
+    return table
+
+
+def dumps(obj: Any) -> bytes:
+    """Pickle ``obj`` for a child process: cloudpickle + ForkingPickler's reducers.
+
+    Must run while multiprocessing is spawning the child (inside its own
+    pickling of the process object) for the objects that only pickle then:
+    locks, semaphores, connections, the authkey.
+    """
+    import cloudpickle
+
+    main = _main_module_reimported()
+
+    class _ChildPickler(cloudpickle.Pickler):
+        dispatch_table = _dispatch_table()  # the C pickler reads it once, in __init__
+
+        def reducer_override(self, obj: Any) -> Any:
+            if main is not None and isinstance(obj, (types.FunctionType, type)) and _in_main(main, obj):
+                return NotImplemented  # by reference, as __main__.name: the child re-imports main
+            return super().reducer_override(obj)
+
+    out = io.BytesIO()
+    _ChildPickler(out, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return out.getvalue()
+
+
+def _rebuild_process(data: bytes) -> Any:
+    """In the child: the process object, from :meth:`GpuProcessMixin.__reduce_ex__`'s bytes."""
+    cls, state = pickle.loads(data)
+    process = cls.__new__(cls)
+    process.__dict__.update(state)
+    return process
 
 
 def bind_device(device: int | str | None) -> None:
@@ -90,7 +166,7 @@ def bind_device(device: int | str | None) -> None:
 
 
 class GpuProcessMixin(BaseProcess):
-    """Adds ``device=``, cloudpickled targets, the fork check and cleanup at exit."""
+    """Adds ``device=``, cloudpickle with ForkingPickler's reducers, the fork check and cleanup at exit."""
 
     def __init__(
         self,
@@ -129,8 +205,14 @@ class GpuProcessMixin(BaseProcess):
                 "this process, and a forked child cannot use it (CUDA_ERROR_NOT_INITIALIZED). Use the "
                 "default 'spawn' (gpushare.set_start_method('spawn')) or 'forkserver'"
             )
-        self._target = _portable(getattr(self, "_target", None))
         super().start()
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        if get_spawning_popen() is None:  # not a child's start (copy.copy, say): as multiprocessing does
+            return super().__reduce_ex__(protocol)
+        # multiprocessing's Popen spawning the child: the whole process object
+        # goes as one stream of :func:`dumps` (see the module docstring).
+        return (_rebuild_process, (dumps((type(self), self.__dict__)),))
 
     def run(self) -> None:
         bind_device(self._device)
