@@ -105,6 +105,7 @@ log = logging.getLogger("gpushare")
 LOCAL = 0  # holder id of leases claimed inside the owner's own process
 _CLAIM, _RELEASE = _journal.CLAIM, _journal.RELEASE  # kinds of the consumer's lease records
 _NUDGE = -1  # the consumer's writer: tell the owner to read the journal
+_RETIRE = -2  # the consumer's writer: the owner is gone and nothing here uses it any more
 REQUEST_TIMEOUT = 30.0
 READY_EVENTS = 4  # interprocess ready events per device and process (see _ReadyEvents)
 
@@ -885,6 +886,7 @@ class Link:
         # Wakes the writer: 1 (backlog), _NUDGE, or None (stop). SimpleQueue.put is
         # safe inside the garbage collector, where releases may run.
         self._wake: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self._retired = False  # closed: by close(), or because the owner is gone and unused
         try:
             self.conn = connect(address, authkey)
         except AuthenticationError as exc:
@@ -972,6 +974,7 @@ class Link:
                     self._failed[message[1]] = message[2]
                 elif kind == "bye":
                     self._mark_gone(message[1])
+                    self._retire_if_unused()
                     return
                 elif kind == "refused":
                     self.refused = message[1]
@@ -979,6 +982,24 @@ class Link:
                     return
         except (EOFError, OSError):
             self._mark_gone("its process exited or closed the connection")
+            self._retire_if_unused()
+
+    def _retire_if_unused(self) -> None:
+        """The owner is gone: once no buffer here holds a lease of it, close this link.
+
+        Its threads, socket, journal and cached mappings would otherwise stay
+        for as long as this process lives: one set per dead owner, and on a
+        GPU each mapping keeps the dead owner's device memory allocated.
+        Buffers still held keep their mapping until they are released; the
+        last release asks the writer thread to come back here.
+        """
+        with self._map_lock:
+            if self.gone is None or self._held or self._retired:
+                return
+        with _links_lock:
+            if _links.get(self.token) is self:
+                del _links[self.token]
+        self.close()
 
     def _mark_gone(self, reason: str) -> None:
         if self.gone is None:
@@ -1031,6 +1052,8 @@ class Link:
         mapping = self._mappings.get(alloc_id)
         if mapping is not None:
             mapping.refs -= 1
+        if self.gone is not None and not self._held and not self._retired:
+            self._wake.put(_RETIRE)  # the last buffer of a gone owner: close the link (not here: maybe in gc)
 
     def _write_loop(self) -> None:
         stop = False
@@ -1042,6 +1065,8 @@ class Link:
                 except queue.Empty:
                     break
             stop = None in signals
+            if _RETIRE in signals:
+                self._retire_if_unused()
             if self._journal is None:
                 self._send_backlog()
                 continue
@@ -1203,8 +1228,13 @@ class Link:
 
     def close(self) -> None:
         """Flush releases, close the connection, unmap everything."""
+        with self._map_lock:
+            if self._retired:
+                return
+            self._retired = True
         self._wake.put(None)
-        self._writer.join(timeout=5.0)
+        if threading.current_thread() is not self._writer:  # the writer may retire the link itself
+            self._writer.join(timeout=5.0)
         self._mark_gone("this process closed its connection to the owner (Manager shut down, or exiting)")
         try:
             # Shut down before closing: the reader thread is blocked reading this

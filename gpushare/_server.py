@@ -54,6 +54,7 @@ from multiprocessing import connection, current_process, parent_process
 from typing import Any
 
 from . import _backends
+from ._backends import host
 from ._buffer import Buffer, check_dtype, check_shape
 from ._errors import LeakWarning
 from ._lifetime import Owner
@@ -97,6 +98,8 @@ def _watch() -> None:
     if parent_pid is not None:
         # Its sockets close with its last thread, a little after the sentinel fires.
         remove_stale_sockets(parent_pid, settle=5.0)
+        # Its host segments: nobody else may unlink them, and consumers keep their mappings.
+        host.unlink_segments_of(parent_pid)
     if _mode == "server":
         owner = _buffers.owner if _buffers is not None else None
         while owner is not None and owner.stats()["leases"]:

@@ -45,14 +45,21 @@ import queue
 import signal
 import time
 from dataclasses import dataclass, field
-
 from multiprocessing import resource_tracker
+
 import pytest
 from chaos import leftovers, snapshot, wait_for
 from conftest import BACKENDS, device_for, guarded
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 import gpushare as mp
 from gpushare import _lifetime
@@ -315,7 +322,9 @@ class LifetimeMachine(RuleBasedStateMachine):
         self.inbox, self.out = mp.Queue(), mp.Queue()
         self.queues += [self.inbox, self.out]
         proc = mp.Process(
-            target=guarded, args=(w_producer, self.out, self.inbox, self.mailboxes, self.backend, owner), device=self.device
+            target=guarded,
+            args=(w_producer, self.out, self.inbox, self.mailboxes, self.backend, owner),
+            device=self.device,
         )
         proc.start()
         self.procs.append(proc)
