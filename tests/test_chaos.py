@@ -40,16 +40,19 @@ shrink a failure (slow: every attempt starts processes).
 from __future__ import annotations
 
 import gc
+import json
 import os
 import queue
 import signal
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from multiprocessing import resource_tracker
 
 import pytest
 from chaos import leftovers, snapshot, wait_for
-from conftest import BACKENDS, device_for, guarded
+from conftest import BACKENDS, ROOT, device_for, guarded, subprocess_env
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -79,6 +82,7 @@ T = 120  # a worker's wait for its next command
 EXAMPLES = int(os.environ.get("GPUSHARE_CHAOS_EXAMPLES", "3"))
 STEPS = int(os.environ.get("GPUSHARE_CHAOS_STEPS", "30"))
 SHRINK = os.environ.get("GPUSHARE_CHAOS_SHRINK", "") == "1"
+RUN_SECONDS = float(os.environ.get("GPUSHARE_CHAOS_SECONDS", "20"))
 
 
 # -- the processes (module level: spawn imports this module) -------------------------------
@@ -154,7 +158,8 @@ def w_consumer(out, index, mailboxes) -> None:
             ring = None
             out.put(("drained", got, ended, time.monotonic() - started))
         elif op == "report":
-            out.put(("report", _lifetime.link_stats()["open_mappings"]))
+            stats = _lifetime.link_stats()
+            out.put(("report", stats["open_mappings"], stats["owners"]))
         elif op == "exit":
             for buf in held.values():
                 buf.release()
@@ -588,6 +593,8 @@ class LifetimeMachine(RuleBasedStateMachine):
         if e.owner == "process":
             e.values.clear()
             self.expect_gone([e.server_pid], f"the server of killed producer {e.pid}")
+            took = wait_for(lambda: not leftovers([e.pid])["shm"], GONE_BOUND)
+            assert took is not None, f"/dev/shm segments of killed producer {e.pid} remain"
         else:
             for key in list(e.values):
                 self.maybe_pool(e, key)
@@ -683,8 +690,11 @@ class LifetimeMachine(RuleBasedStateMachine):
             self.producer_release(sorted(self.epoch.keys).index(key))
         self.trim()
         self.stats_agree()
-        for c in self.consumers.values():  # trim asked every mapper to unmap: nothing is mapped
-            assert self.tell(c, "report") == ("report", 0), f"consumer {c.name} still maps memory"
+        for c in self.consumers.values():
+            # trim asked every mapper to unmap: nothing is mapped; and a consumer keeps no
+            # connection to an owner that is gone (only to the live producer's, if it used it).
+            links = int(self.epoch.number in c.connected)
+            assert self.tell(c, "report") == ("report", 0, links), f"consumer {c.name} keeps mappings or links"
         for c in self.consumers.values():
             assert self.tell(c, "exit") == ("bye",)
         self.produce("exit")
@@ -725,3 +735,20 @@ def test_lifetime_state_machine(backend) -> None:
     worst["slowest_call"] = max(RESULTS, key=lambda r: r["max_call_s"])["slowest_call"]
     print(f"\nchaos state machine [{backend}]: {len(RESULTS)} runs, {total}, {worst}")
     assert total["steps"] > 0
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_chaos_run(backend, tmp_path) -> None:
+    """Chaos, part two (tests/chaos_run.py): kill consumers of a fan-out pipeline at random."""
+    report_path = tmp_path / "chaos.json"
+    command = [sys.executable, os.path.join(ROOT, "tests", "chaos_run.py"), "--backend", backend]
+    command += ["--seconds", str(RUN_SECONDS), "--seed", "13", "--json", str(report_path)]
+    done = subprocess.run(command, env=subprocess_env(), capture_output=True, text=True, timeout=RUN_SECONDS + 400)
+    assert report_path.exists(), f"no report; rc {done.returncode}\n{done.stderr[-4000:]}"
+    report = json.loads(report_path.read_text())
+    print(f"\nchaos run [{backend}]: {json.dumps(report, sort_keys=True)}")
+    assert report["problems"] == [], report
+    assert done.returncode == 0, done.stderr[-4000:]
+    # Not vacuous: consumers were killed, and both kinds of item went through.
+    assert report["kills"] >= 3 and report["queue_delivered"] > 0 and report["ring_deliveries"] > 0, report
