@@ -53,6 +53,7 @@ SLOTS = 4
 BACKLOG = 8  # queue items in flight per consumer, at most
 LEASE_TIMEOUT = 5.0  # items left in a dead consumer's queue: their leases expire this soon
 T = 60.0
+STAT_KEYS = ("live_buffers", "pooled_buffers", "leases", "consumers", "leaked_buffers")
 
 
 def device_of(backend: str) -> int | str:
