@@ -33,8 +33,11 @@ process the run started is left; consumers hold no mapping; the driver's
 file descriptors and threads are back where they were.
 
 Size: ``GPUSHARE_CHAOS_EXAMPLES`` (default 3) runs of ``GPUSHARE_CHAOS_STEPS``
-(default 30) steps per backend; ``GPUSHARE_CHAOS_SHRINK=1`` lets hypothesis
-shrink a failure (slow: every attempt starts processes).
+(default 30) steps per backend, the same schedules every time unless
+``GPUSHARE_CHAOS_RANDOM=1``; ``GPUSHARE_CHAOS_SHRINK=1`` lets hypothesis
+shrink a failure (slow: every attempt starts processes). The chaos run
+(``test_chaos_run``, ``tests/chaos_run.py``) lasts ``GPUSHARE_CHAOS_SECONDS``
+(default 20).
 """
 
 from __future__ import annotations
@@ -82,6 +85,7 @@ T = 120  # a worker's wait for its next command
 EXAMPLES = int(os.environ.get("GPUSHARE_CHAOS_EXAMPLES", "3"))
 STEPS = int(os.environ.get("GPUSHARE_CHAOS_STEPS", "30"))
 SHRINK = os.environ.get("GPUSHARE_CHAOS_SHRINK", "") == "1"
+RANDOM = os.environ.get("GPUSHARE_CHAOS_RANDOM", "") == "1"  # default: the same schedules every run
 RUN_SECONDS = float(os.environ.get("GPUSHARE_CHAOS_SECONDS", "20"))
 
 
@@ -723,6 +727,7 @@ def test_lifetime_state_machine(backend) -> None:
             stateful_step_count=STEPS,
             deadline=None,
             database=None,
+            derandomize=not RANDOM,
             phases=phases,
             suppress_health_check=list(HealthCheck),
             print_blob=False,
