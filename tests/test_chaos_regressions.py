@@ -41,7 +41,8 @@ def links() -> dict:
 def w_holder(out, jobs, control, release_first) -> None:
     """Takes a buffer; reports; waits for the owner's death; touches, releases, reports again."""
     out.put(("started", None))  # this queue's feeder thread runs from here on
-    out.put(("before", links()))
+    before = links()
+    out.put(("before", before))
     buf = jobs.get(timeout=T)
     held = float(buf.numpy()[0])
     if release_first:
@@ -59,7 +60,7 @@ def w_holder(out, jobs, control, release_first) -> None:
                 break
             time.sleep(0.02)
         buf.release()
-    took = wait_for(lambda: links()["owners"] == 0 and links()["open_mappings"] == 0, 5.0)
+    took = wait_for(lambda: links() == before, 5.0)  # the link's threads end a moment after it is dropped
     out.put(("after", touched, took, links()))
 
 
