@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from multiprocessing import resource_tracker
 
 import pytest
-from chaos import leftovers, snapshot, wait_for
+from chaos import CALL_BOUND, GONE_BOUND, SLOTS, leftovers, snapshot, w_consumer, w_producer, wait_for
 from conftest import BACKENDS, ROOT, device_for, guarded, subprocess_env
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
@@ -68,165 +68,18 @@ from hypothesis.stateful import (
 )
 
 import gpushare as mp
-from gpushare import _lifetime
 
-N = 1024  # float32 elements per buffer: one 2 MiB allocation
-SLOTS = 2  # ring slots
 MAILBOXES = 8  # consumers one run may start (each gets a fresh inbox; a killed one's is never reused)
 LIVE_CONSUMERS = 4
 LIVE_BUFFERS = 5
 PRODUCER_KILLS = 3
-CALL_BOUND = 20.0  # any one command, on a loaded machine
 RECLAIM_BOUND = 1.0  # docs/reliability.md: a killed consumer's leases go "in under 1 s"
-GONE_BOUND = 5.0  # docs/reliability.md: OwnerGoneError, server and socket directory gone within 5 s
-STATS_BOUND = 2.0  # releases are journal records the owner reads a moment later
-T = 120  # a worker's wait for its next command
 
 EXAMPLES = int(os.environ.get("GPUSHARE_CHAOS_EXAMPLES", "3"))
 STEPS = int(os.environ.get("GPUSHARE_CHAOS_STEPS", "30"))
 SHRINK = os.environ.get("GPUSHARE_CHAOS_SHRINK", "") == "1"
 RANDOM = os.environ.get("GPUSHARE_CHAOS_RANDOM", "") == "1"  # default: the same schedules every run
 RUN_SECONDS = float(os.environ.get("GPUSHARE_CHAOS_SECONDS", "20"))
-
-
-# -- the processes (module level: spawn imports this module) -------------------------------
-
-
-def read(buf) -> float | str:
-    """The value every element holds, "torn" if they differ, or the error touching it raised."""
-    try:
-        arr = buf.numpy()
-    except mp.GpushareError as exc:
-        return type(exc).__name__
-    first = float(arr[0])
-    return first if bool((arr == arr[0]).all()) else "torn"
-
-
-def w_consumer(out, index, mailboxes) -> None:
-    """A consumer: holds buffers by handle id, answers every command once."""
-    inbox = mailboxes[index]
-    held = {}  # hid -> Buffer
-    ring = None
-    ring_held = []
-    while True:
-        cmd = inbox.get(timeout=T)
-        op = cmd[0]
-        if op == "take":  # put here by the producer or by another consumer
-            _, hid, buf = cmd
-            held[hid] = buf
-            out.put(("took", hid, read(buf)))
-        elif op == "read":
-            _, hids, until_gone = cmd
-            values = {}
-            for hid in hids:
-                deadline = time.monotonic() + GONE_BOUND
-                while True:
-                    value = read(held[hid])
-                    if not until_gone or isinstance(value, str) or time.monotonic() > deadline:
-                        break
-                    time.sleep(0.02)  # the owner's death reaches this process a moment later
-                values[hid] = value
-            out.put(("read", values))
-        elif op == "release":
-            held.pop(cmd[1]).release()
-            out.put(("released",))
-        elif op == "relay":  # A -> B -> C: this process re-shares what it received
-            _, hid, new_hid, target, release = cmd
-            mailboxes[target].put(("take", new_hid, held[hid]))
-            if release:
-                held.pop(hid).release()
-            out.put(("relayed",))
-        elif op == "ring_take":
-            ring = cmd[1]
-            out.put(("ring_joined", ring.stats()["closed"]))
-        elif op == "ring_get":
-            item = ring.get(timeout=CALL_BOUND)
-            ring_held.append(item)
-            out.put(("ring_got", item.meta, read(item)))
-        elif op == "ring_release":
-            ring_held.pop(0).release()
-            out.put(("ring_released",))
-        elif op == "ring_drain":  # after the producer closed the ring or died
-            for item in ring_held:
-                item.release()
-            ring_held.clear()
-            got, started = [], time.monotonic()
-            try:
-                while True:
-                    item = ring.get(timeout=GONE_BOUND)
-                    got.append(item.meta)
-                    item.release()
-            except (mp.RingClosedError, mp.OwnerGoneError, TimeoutError) as exc:
-                ended = type(exc).__name__
-            ring.close()
-            ring = None
-            out.put(("drained", got, ended, time.monotonic() - started))
-        elif op == "report":
-            stats = _lifetime.link_stats()
-            out.put(("report", stats["open_mappings"], stats["owners"]))
-        elif op == "exit":
-            for buf in held.values():
-                buf.release()
-            out.put(("bye",))
-            return
-
-
-def w_producer(out, inbox, mailboxes, backend, owner) -> None:
-    """The owner of a Manager (or, with owner="server", the client that asked for its memory)."""
-    device = device_for(backend)
-    m = mp.Manager(owner=owner, release_timeout=2.0)
-    bufs = {}
-    ring = None
-    out.put(("started", os.getpid(), m._process.pid))
-    while True:
-        cmd = inbox.get(timeout=T)
-        op = cmd[0]
-        if op == "alloc":
-            bufs[cmd[1]] = m.full((N,), cmd[2], "float32", device=device, backend=backend)
-            out.put(("ok", None))
-        elif op == "write":
-            bufs[cmd[1]].fill(cmd[2])
-            out.put(("ok", None))
-        elif op == "send":
-            _, key, hid, target = cmd
-            mailboxes[target].put(("take", hid, bufs[key]))
-            out.put(("ok", None))
-        elif op == "drop":
-            bufs.pop(cmd[1]).release()
-            out.put(("ok", None))
-        elif op == "trim":
-            out.put(("ok", m.trim()))
-        elif op == "stats":  # until the counts in cmd[1] hold, or STATS_BOUND
-            expected, started = cmd[1], time.monotonic()
-            while True:
-                stats = m.stats()
-                if all(stats[k] == v for k, v in expected.items()) or time.monotonic() - started > STATS_BOUND:
-                    break
-                time.sleep(0.005)
-            out.put(("ok", (stats, time.monotonic() - started)))
-        elif op == "ring_open":
-            ring = m.ring((N,), "float32", device=device, slots=SLOTS, consumers=0, backend=backend)
-            out.put(("ok", None))
-        elif op == "ring_send":
-            mailboxes[cmd[1]].put(("ring_take", ring))
-            out.put(("ok", None))
-        elif op == "ring_publish":
-            buf = ring.acquire(timeout=CALL_BOUND)
-            buf.fill(cmd[1])
-            ring.publish(buf, meta=cmd[1])
-            out.put(("ok", None))
-        elif op == "ring_close":
-            ring.close()
-            ring = None
-            out.put(("ok", None))
-        elif op == "exit":
-            if ring is not None:
-                ring.close()
-            for buf in bufs.values():
-                buf.release()
-            m.shutdown()
-            out.put(("bye", None))
-            return
 
 
 # -- the model --------------------------------------------------------------------------------
