@@ -595,7 +595,7 @@ def test_lifetime_state_machine(backend) -> None:
     assert total["steps"] > 0
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(int(RUN_SECONDS) + 600)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_chaos_run(backend, tmp_path) -> None:
     """Chaos, part two (tests/chaos_run.py): kill consumers of a fan-out pipeline at random."""
