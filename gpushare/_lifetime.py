@@ -44,7 +44,10 @@ Consumer side (:class:`Link`, one per owner per process)
   ready events (a few per device, recorded in turn) are opened once per
   process.
 * When the connection closes, the owner is gone: every buffer of that owner
-  raises :class:`OwnerGoneError` when touched.
+  raises :class:`OwnerGoneError` when touched. Once no buffer here holds a
+  lease of it (at once, or at the last release) the link closes itself:
+  threads, socket, journal and mappings, which would otherwise keep a dead
+  owner's memory mapped for as long as this process lives.
 
 Wire messages are pickled tuples on an authenticated connection:
 consumer -> owner ``("hello", pid, owner token, has_journal)`` (then, if it

@@ -12,7 +12,9 @@ that started it dies without doing so (SIGKILL, ``os._exit``, a crash), it
 would serve forever, an orphan nobody can reach. The watchdog waits on the
 parent's sentinel (or polls ``getppid()`` where there is none); when the
 parent is gone it removes the parent's leftover socket directories (those
-named for its pid whose socket no longer answers) and ends the server:
+named for its pid whose socket no longer answers) and unlinks the host
+segments the parent made (their names carry its pid; processes that map
+one keep it until they unmap), and ends the server:
 
 * ``owner="process"`` (the default): at once;
 * ``owner="server"``: once no lease on the server's memory is held (or
