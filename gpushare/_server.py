@@ -12,7 +12,9 @@ that started it dies without doing so (SIGKILL, ``os._exit``, a crash), it
 would serve forever, an orphan nobody can reach. The watchdog waits on the
 parent's sentinel (or polls ``getppid()`` where there is none); when the
 parent is gone it removes the parent's leftover socket directories (those
-named for its pid whose socket no longer answers) and ends the server:
+named for its pid whose socket no longer answers) and unlinks the host
+segments the parent made (their names carry its pid; processes that map
+one keep it until they unmap), and ends the server:
 
 * ``owner="process"`` (the default): at once;
 * ``owner="server"``: once no lease on the server's memory is held (or
@@ -54,6 +56,7 @@ from multiprocessing import connection, current_process, parent_process
 from typing import Any
 
 from . import _backends
+from ._backends import host
 from ._buffer import Buffer, check_dtype, check_shape
 from ._errors import LeakWarning
 from ._lifetime import Owner
@@ -97,6 +100,8 @@ def _watch() -> None:
     if parent_pid is not None:
         # Its sockets close with its last thread, a little after the sentinel fires.
         remove_stale_sockets(parent_pid, settle=5.0)
+        # Its host segments: nobody else may unlink them, and consumers keep their mappings.
+        host.unlink_segments_of(parent_pid)
     if _mode == "server":
         owner = _buffers.owner if _buffers is not None else None
         while owner is not None and owner.stats()["leases"]:

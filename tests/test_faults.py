@@ -207,6 +207,15 @@ def start(reap, fn, out, *args, device=None):
     return proc
 
 
+def stopped(pid: int) -> bool:
+    """Every thread of ``pid`` is stopped (SIGSTOP took effect)."""
+    states = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/stat") as f:
+            states.append(f.read().rsplit(")", 1)[1].split()[0])
+    return all(state in "tT" for state in states)
+
+
 def kill_quietly(pid: int) -> None:
     try:
         os.kill(pid, signal.SIGKILL)
@@ -337,6 +346,9 @@ def test_a_hung_mapper_makes_the_owner_leak_rather_than_free(manager, reap, back
     wait_until(lambda: manager.stats()["pooled_buffers"] == 1)
     os.kill(proc.pid, signal.SIGSTOP)  # it still maps the memory and cannot answer "unmap"
     try:
+        # The signal stops its threads a moment after kill() returns; an "unmap" that
+        # reached its reader thread before then is answered (and the memory rightly freed).
+        wait_until(lambda: stopped(proc.pid))
         manager._owner.unmap_timeout = 0.5
         with pytest.warns(mp.LeakWarning, match=rf"still mapped by process\(es\) \[{proc.pid}\]"):
             assert manager.trim() == 0  # nothing freed under a process that may still reach it

@@ -25,6 +25,7 @@ valid for as long as anything can reach it.
 from __future__ import annotations
 
 import ctypes
+import glob
 import mmap
 import os
 import secrets
@@ -42,7 +43,7 @@ except ImportError:  # pragma: no cover - Windows
 
 from multiprocessing import resource_tracker
 
-__all__ = ["HostBackend"]
+__all__ = ["HostBackend", "unlink_segments_of"]
 
 _PREFIX = "/gpushare-"
 
@@ -134,3 +135,32 @@ class HostBackend(_base.Backend):
         caps = super().capabilities()
         caps["mechanism"] = "POSIX shared memory (shm_open + mmap)"
         return caps
+
+
+def unlink_segments_of(pid: int) -> list[str]:
+    """Unlink every segment that process ``pid`` made; call it only once ``pid`` is dead.
+
+    A SIGKILLed owner cannot unlink its segments, and the resource tracker
+    would only do it when the whole process tree ends. Names carry the
+    owner's pid (``/gpushare-<pid>-...``); unlinking removes only the name,
+    so a process that still maps a segment keeps its memory until it unmaps.
+    Returns the names unlinked.
+    """
+    if _posixshmem is None or not os.path.isdir("/dev/shm"):  # pragma: no cover - no POSIX shm listing
+        return []
+    # Unregister only in the tracker the dead owner registered with (a spawned child
+    # shares its parent's); asking for one here would start a tracker that never saw them.
+    shared_tracker = getattr(resource_tracker._resource_tracker, "_fd", None) is not None
+    removed = []
+    for path in glob.glob(f"/dev/shm{_PREFIX}{int(pid)}-*"):
+        name = "/" + os.path.basename(path)
+        try:
+            if os.lstat(path).st_uid != os.getuid():
+                continue
+            _posixshmem.shm_unlink(name)
+        except OSError:
+            continue
+        if shared_tracker:
+            resource_tracker.unregister(name, "shared_memory")
+        removed.append(name)
+    return removed

@@ -46,6 +46,10 @@ class _LinkState:
     _backlog: collections.deque[tuple[int, int, int, bool]]
     _nudged_at: int
     _wake: queue.SimpleQueue[int | None]
+    _retired: bool
+
+    def _retire_if_unused(self) -> None:  # Link's (it knows the process's table of links)
+        raise NotImplementedError
 
 
 class _Channel(_LinkState):
@@ -109,6 +113,7 @@ class _Channel(_LinkState):
                     self._failed[message[1]] = message[2]
                 elif kind == "bye":
                     self._mark_gone(message[1])
+                    self._retire_if_unused()
                     return
                 elif kind == "refused":
                     self.refused = message[1]
@@ -116,6 +121,7 @@ class _Channel(_LinkState):
                     return
         except (EOFError, OSError):
             self._mark_gone("its process exited or closed the connection")
+            self._retire_if_unused()
 
     def _mark_gone(self, reason: str) -> None:
         if self.gone is None:

@@ -19,6 +19,7 @@ log = logging.getLogger("gpushare")
 LOCAL = 0  # holder id of leases claimed inside the owner's own process
 _CLAIM, _RELEASE = _journal.CLAIM, _journal.RELEASE  # kinds of the consumer's lease records
 _NUDGE = -1  # the consumer's writer: tell the owner to read the journal
+_RETIRE = -2  # the consumer's writer: the owner is gone and nothing here uses it any more
 REQUEST_TIMEOUT = 30.0
 READY_EVENTS = 4  # interprocess ready events per device and process (see _ReadyEvents)
 

@@ -91,6 +91,7 @@ class Link(_Recorder):
         # Wakes the writer: 1 (backlog), _NUDGE, or None (stop). SimpleQueue.put is
         # safe inside the garbage collector, where releases may run.
         self._wake: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self._retired = False  # closed: by close(), or because the owner is gone and unused
         try:
             self.conn = connect(address, authkey)
         except AuthenticationError as exc:
@@ -207,10 +208,32 @@ class Link(_Recorder):
     def open_mappings(self) -> int:
         return len(self._mappings)
 
+    def _retire_if_unused(self) -> None:
+        """The owner is gone: once no buffer here holds a lease of it, close this link.
+
+        Its threads, socket, journal and cached mappings would otherwise stay
+        for as long as this process lives: one set per dead owner, and on a
+        GPU each mapping keeps the dead owner's device memory allocated.
+        Buffers still held keep their mapping until they are released; the
+        last release asks the writer thread to come back here.
+        """
+        with self._map_lock:
+            if self.gone is None or self._held or self._retired:
+                return
+        with _links_lock:
+            if _links.get(self.token) is self:
+                del _links[self.token]
+        self.close()
+
     def close(self) -> None:
         """Flush releases, close the connection, unmap everything."""
+        with self._map_lock:
+            if self._retired:
+                return
+            self._retired = True
         self._wake.put(None)
-        self._writer.join(timeout=5.0)
+        if threading.current_thread() is not self._writer:  # the writer may retire the link itself
+            self._writer.join(timeout=5.0)
         self._mark_gone("this process closed its connection to the owner (Manager shut down, or exiting)")
         try:
             # Shut down before closing: the reader thread is blocked reading this

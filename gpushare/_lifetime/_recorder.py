@@ -17,7 +17,7 @@ from typing import Any
 from .. import _journal
 from .._errors import OwnerGoneError
 from ._channel import _Channel
-from ._common import _CLAIM, _NUDGE, _RELEASE, REQUEST_TIMEOUT, log
+from ._common import _CLAIM, _NUDGE, _RELEASE, _RETIRE, REQUEST_TIMEOUT, log
 
 
 class _Recorder(_Channel):
@@ -66,6 +66,8 @@ class _Recorder(_Channel):
         mapping = self._mappings.get(alloc_id)
         if mapping is not None:
             mapping.refs -= 1
+        if self.gone is not None and not self._held and not self._retired:
+            self._wake.put(_RETIRE)  # the last buffer of a gone owner: close the link (not here: maybe in gc)
 
     def _write_loop(self) -> None:
         stop = False
@@ -77,6 +79,8 @@ class _Recorder(_Channel):
                 except queue.Empty:
                     break
             stop = None in signals
+            if _RETIRE in signals:
+                self._retire_if_unused()
             if self._journal is None:
                 self._send_backlog()
                 continue
