@@ -411,9 +411,9 @@ class Buffer:
         return dlpack_device(self)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        from ._reduction import reduce_buffer
+        from ._reduction import reduce_pickled
 
-        return reduce_buffer(self)
+        return reduce_pickled(self)
 
 
 class _HostView:

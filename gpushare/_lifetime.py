@@ -98,7 +98,7 @@ from ._errors import (
 )
 from ._service import UnixListener, accept, connect, shutdown_socket
 
-__all__ = ["Link", "Owner", "attach", "close_link", "close_links", "owner_for"]
+__all__ = ["Link", "Owner", "attach", "close_link", "close_links", "link_for", "owner_for"]
 
 log = logging.getLogger("gpushare")
 
@@ -149,6 +149,7 @@ class _Lease:
     generation: int
     holder: int | None  # None = unclaimed, LOCAL, or a connection id
     created: float
+    reshared: bool = False  # leased through ("lease" via it): its pickled form was used, not dropped
 
 
 @dataclass(eq=False)
@@ -477,6 +478,21 @@ class Owner:
             memory = self._memory(lease.slot, _LocalLeaseSource(self, lease.slot, lease.lease_id))
         return Buffer(memory, desc.offset, desc.shape, np.dtype(desc.dtype))
 
+    def lease_via(self, alloc_id: int, generation: int, via: int, holder: int) -> int:
+        """A new unclaimed lease on the allocation that lease ``via`` is on, for ``holder``,
+        who must hold ``via`` or see it unclaimed: re-sharing a received buffer, or one
+        of several receivers of a pickled form that is read many times (a Ray object
+        keeps its lease unclaimed and each reader leases through it)."""
+        with self._lock:
+            slot = self._slots.get(alloc_id)
+            lease = self._leases.get(via)
+            held = lease is not None and lease.slot is slot and lease.holder in (holder, None)
+            if lease is not None and held:
+                lease.reshared = True
+        if slot is None or not held:
+            raise DescriptorError(f"allocation {alloc_id} is not leased to this process")
+        return self.take_lease(slot, generation, record=False)[0]
+
     def _release_lease(self, lease_id: int, holder: int) -> None:
         """Lock held."""
         lease = self._leases.get(lease_id)
@@ -551,14 +567,7 @@ class Owner:
             # received it under, or have its claim of that lease still in flight.
             _, req, alloc_id, generation, via = message
             try:
-                with self._lock:
-                    slot = self._slots.get(alloc_id)
-                    lease = self._leases.get(via)
-                    held = lease is not None and lease.slot is slot and lease.holder in (peer.conn_id, None)
-                if slot is None or not held:
-                    raise DescriptorError(f"allocation {alloc_id} is not leased to this process")
-                lease_id, _ = self.take_lease(slot, generation, record=False)
-                peer.send(("ok", req, lease_id))
+                peer.send(("ok", req, self.lease_via(alloc_id, generation, via, peer.conn_id)))
             except (DescriptorError, ManagerClosedError) as exc:
                 peer.send(("err", req, str(exc)))
         elif kind == "fd":
@@ -641,6 +650,9 @@ class Owner:
                 over = self._over_limit_locked()
             self._send_refusals()
             for lease in expired:
+                if lease.reshared:  # read through, not dropped: its expiry is the end of its use
+                    log.debug("gpushare: lease %d (re-shared from) expired", lease.lease_id)
+                    continue
                 _warn(
                     f"gpushare: a lease on allocation {lease.slot.alloc_id} ({lease.slot.label}) was never "
                     f"claimed within {self.lease_timeout:g} s and expired; the pickled buffer was probably "
@@ -863,6 +875,7 @@ class Link:
 
     def __init__(self, address: str, token: bytes, authkey: bytes) -> None:
         self.token = token
+        self.authkey = bytes(authkey)
         self._address = address
         self.gone: str | None = None
         self.refused: str | None = None  # the owner said the descriptor was not its own
@@ -1245,15 +1258,22 @@ def attach(desc: Descriptor) -> Buffer:
     owner = owner_for(desc.owner_token)
     if owner is not None:
         return owner.attach_local(desc)
-    link = _links.get(desc.owner_token)
+    return link_for(desc.address, desc.owner_token).attach(desc)
+
+
+def link_for(address: str, token: bytes, authkey: bytes | None = None) -> Link:
+    """This process's link to the owner ``token`` (made on first use). ``authkey``
+    defaults to the process authkey, which processes of the Manager's tree share;
+    others (Ray workers) are given the owner's."""
+    link = _links.get(token)
     if link is None or link.gone is not None:
         with _links_lock:
-            link = _links.get(desc.owner_token)
+            link = _links.get(token)
             if link is None or link.gone is not None:
-                authkey = bytes(current_process().authkey)
-                link = Link(desc.address, desc.owner_token, authkey)
-                _links[desc.owner_token] = link
-    return link.attach(desc)
+                key = bytes(current_process().authkey) if authkey is None else authkey
+                link = Link(address, token, key)
+                _links[token] = link
+    return link
 
 
 def link_stats() -> dict[str, Any]:

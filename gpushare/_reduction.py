@@ -14,6 +14,7 @@ mistake is, instead of sending something the receiver cannot use.
 
 from __future__ import annotations
 
+import sys
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -21,7 +22,7 @@ from . import _lifetime
 from ._buffer import Buffer
 from ._descriptor import Descriptor
 
-__all__ = ["descriptor_of", "rebuild_buffer", "reduce_buffer"]
+__all__ = ["descriptor_of", "rebuild_buffer", "reduce_buffer", "reduce_pickled"]
 
 
 def descriptor_of(buf: Buffer) -> Descriptor:
@@ -48,6 +49,19 @@ def descriptor_of(buf: Buffer) -> Descriptor:
 
 def reduce_buffer(buf: Buffer) -> tuple[Any, tuple[bytes]]:
     return (rebuild_buffer, (descriptor_of(buf).to_bytes(),))
+
+
+def reduce_pickled(buf: Buffer) -> tuple[Any, tuple[Any, ...]]:
+    """``Buffer.__reduce__``: plain pickle and cloudpickle, which is what Ray serializes
+    with. Inside a connected Ray process the buffer takes Ray's form (see
+    :mod:`gpushare.ray`): readable many times, on any node. multiprocessing's
+    ForkingPickler does not come here (its dispatch table calls :func:`reduce_buffer`)."""
+    ray = sys.modules.get("ray")
+    if ray is not None and getattr(ray, "is_initialized", lambda: False)():
+        from .ray import reduce_for_ray
+
+        return reduce_for_ray(buf)
+    return reduce_buffer(buf)
 
 
 def rebuild_buffer(data: bytes) -> Buffer:
