@@ -34,8 +34,7 @@ from ._errors import (
 )
 from ._manager import GRANULARITY, BufferManager
 from ._ring import Ring
-
-__version__ = "0.1.0"
+from ._version import __version__ as __version__
 
 _MULTIPROCESSING_NAMES = list(_multiprocessing.__all__)
 globals().update((name, getattr(_default_context, name)) for name in _MULTIPROCESSING_NAMES)
