@@ -149,7 +149,9 @@ class _Lease:
     generation: int
     holder: int | None  # None = unclaimed, LOCAL, or a connection id
     created: float
-    reshared: bool = False  # leased through ("lease" via it): its pickled form was used, not dropped
+    # Expires without a warning and is dropped at shutdown: a Ray object's lease (read
+    # many times or never, as Ray decides), or one that receivers leased through.
+    quiet: bool = False
 
 
 @dataclass(eq=False)
@@ -488,10 +490,17 @@ class Owner:
             lease = self._leases.get(via)
             held = lease is not None and lease.slot is slot and lease.holder in (holder, None)
             if lease is not None and held:
-                lease.reshared = True
+                lease.quiet = True
         if slot is None or not held:
             raise DescriptorError(f"allocation {alloc_id} is not leased to this process")
         return self.take_lease(slot, generation, record=False)[0]
+
+    def quiet_lease(self, lease_id: int) -> None:
+        """Mark an unclaimed lease quiet (see ``_Lease.quiet``): a Ray object's."""
+        with self._lock:
+            lease = self._leases.get(lease_id)
+            if lease is not None:
+                lease.quiet = True
 
     def _release_lease(self, lease_id: int, holder: int) -> None:
         """Lock held."""
@@ -650,8 +659,8 @@ class Owner:
                 over = self._over_limit_locked()
             self._send_refusals()
             for lease in expired:
-                if lease.reshared:  # read through, not dropped: its expiry is the end of its use
-                    log.debug("gpushare: lease %d (re-shared from) expired", lease.lease_id)
+                if lease.quiet:  # a Ray object's, or read through: its expiry is the end of its use
+                    log.debug("gpushare: lease %d (quiet) expired", lease.lease_id)
                     continue
                 _warn(
                     f"gpushare: a lease on allocation {lease.slot.alloc_id} ({lease.slot.label}) was never "
@@ -778,9 +787,9 @@ class Owner:
                 return
             self._closed = True
             self._drain_locked()
-            # An unclaimed lease that readers leased through (a Ray object's) serves
-            # no one once sharing stops: its readers hold leases of their own.
-            for lease in [x for x in self._leases.values() if x.holder is None and x.reshared]:
+            # An unclaimed quiet lease (a Ray object's) serves no one once sharing
+            # stops: its readers hold leases of their own.
+            for lease in [x for x in self._leases.values() if x.holder is None and x.quiet]:
                 del self._leases[lease.lease_id]
                 lease.slot.leases.discard(lease.lease_id)
             deadline = time.monotonic() + timeout

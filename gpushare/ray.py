@@ -13,8 +13,11 @@ Data flow:
   lease at the owner, as any pickling does, and leaves it *unclaimed*: a
   Ray object can be read many times, by many workers, so no reader takes
   it. It pins the memory until the owner's ``lease_timeout`` after the
-  object was made (then it expires quietly if it was read, with a
-  ``LeaseExpiredWarning`` if it never was).
+  object was made, then expires without a warning (a Ray object may be
+  read many times or never); the Manager's shutdown drops it. (A buffer
+  *received* from another process and put into Ray takes its lease through
+  that process's link: if no one reads that object it expires with a
+  ``LeaseExpiredWarning``, as any unread pickle does.)
 * **Reading on the owner's node** (same node identity, owner's socket
   present): the reader connects to the owner with the authkey carried in
   the object (Ray workers are not in the Manager's process tree), asks for
@@ -127,6 +130,9 @@ def reduce_for_ray(buf: Buffer) -> tuple[Any, tuple[Any, ...]]:
 
     authkey = _authkey_of(buf)
     desc = descriptor_of(buf)
+    owner = _lifetime.owner_for(desc.owner_token)
+    if owner is not None:  # Ray may read the object many times or never: no warning either way
+        owner.quiet_lease(desc.lease_id)
     return _rebuild, (desc.to_bytes(), node_identity(), ray.get_runtime_context().get_node_id(), authkey)
 
 
