@@ -182,3 +182,17 @@ def test_owner_exiting_gives_owner_gone(cluster: Cluster) -> None:
     with pytest.raises(ray.exceptions.RaySystemError, match="OwnerGoneError: cannot reach the owner"):
         ray.get(describe.options(**ON_A).remote(ref), timeout=120)
     ray.kill(holder, no_restart=True)
+
+
+def test_an_unread_ray_object_expires_quietly(manager: Any, caplog: pytest.LogCaptureFixture) -> None:
+    buf = manager.zeros((256,), dtype="float32", device="cpu")
+    ref = ray.put(buf)
+    assert manager.stats()["leases"] == 1  # the object's lease pins the memory
+    del ref
+    assert _wait_leases(manager, 0) == 0  # gone after lease_timeout (3 s here)...
+    assert "expired" not in caplog.text  # ...with no LeaseExpiredWarning: Ray may read an object never
+    ref = ray.put(buf)
+    # ...and the Manager's shutdown drops a pending one without a LeakWarning.
+    manager.shutdown()
+    assert "outstanding" not in caplog.text
+    del ref
