@@ -93,6 +93,11 @@ def echo(buf: Any) -> Any:
 
 
 @ray.remote(num_cpus=0)
+def reput(buf: Any) -> list[Any]:
+    return [ray.put(buf)]  # a worker re-sharing what it received: its lease comes through its link
+
+
+@ray.remote(num_cpus=0)
 class Holder:
     def __init__(self) -> None:
         self.buf: Any = None
@@ -144,6 +149,17 @@ def test_ray_put_is_read_by_many_and_round_trips(manager: Any) -> None:
     back = ray.get(echo.options(**ON_A).remote(ref), timeout=120)  # a return value, back in the owner
     assert isinstance(back, mp.Buffer) and back.ptr == buf.ptr
     back.release()
+    assert _wait_leases(manager, 0) == 0
+
+
+def test_a_worker_re_shares_a_received_buffer(manager: Any) -> None:
+    buf = manager.full((128,), 4.0, dtype="float32", device="cpu")
+    [ref] = ray.get(reput.options(**ON_A).remote(buf), timeout=120)
+    here = ray.get([describe.options(**ON_A).remote(ref) for _ in range(2)], timeout=120)
+    there = ray.get(describe.options(**ON_B).remote(ref), timeout=120)
+    assert [r[0] for r in here] == ["Buffer", "Buffer"] and there[0] == "NodeCopy"
+    assert {r[2] for r in [*here, there]} == {4.0 * 128}
+    del ref
     assert _wait_leases(manager, 0) == 0
 
 
