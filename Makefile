@@ -2,14 +2,17 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.installed
+# Extras installed into .venv; CI adds ray (`make test EXTRAS=dev,ray`) so the Ray tests run.
+EXTRAS ?= dev
+comma  := ,
+STAMP  := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
-.PHONY: demo test test-gpu bench lint format typecheck info clean
+.PHONY: demo test test-gpu bench lint format typecheck info dist wheel-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -45,5 +48,15 @@ format: $(STAMP)
 typecheck: $(STAMP)
 	$(PY) -m mypy
 
+# sdist and wheel of the distribution gpushare-mp, in dist/
+dist: $(STAMP)
+	rm -rf dist
+	$(PY) -m build --outdir dist .
+
+# The built wheel, installed in a fresh virtualenv outside the checkout: the
+# example and the CPU tests run against it (catches files missing from the package).
+wheel-check: dist
+	PYTHON=$(PYTHON) .ci/wheel-check dist
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) dist build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import multiprocessing as _multiprocessing
 
-from . import _reduction  # noqa: F401 - registers the Buffer reducer with multiprocessing
+from . import _reduction  # registers the Buffer reducers with copyreg and multiprocessing
 from ._buffer import Buffer
 from ._context import _default_context
 from ._errors import (
@@ -34,8 +34,18 @@ from ._errors import (
 )
 from ._manager import GRANULARITY, BufferManager
 from ._ring import Ring
+from ._version import __version__ as __version__
 
-__version__ = "0.1.0"
+
+def _ray_form(buf: Buffer) -> tuple[object, tuple[object, ...]]:
+    """A buffer pickled inside a connected Ray process takes Ray's form (gpushare.ray),
+    handed down to _reduction so that the lower layer never imports the upper one."""
+    from .ray import reduce_for_ray
+
+    return reduce_for_ray(buf)
+
+
+_reduction.ray_form = _ray_form
 
 _MULTIPROCESSING_NAMES = list(_multiprocessing.__all__)
 globals().update((name, getattr(_default_context, name)) for name in _MULTIPROCESSING_NAMES)

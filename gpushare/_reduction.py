@@ -30,6 +30,8 @@ mistake is, instead of sending something the receiver cannot use.
 from __future__ import annotations
 
 import copyreg
+import sys
+from collections.abc import Callable
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -39,7 +41,7 @@ from . import _lifetime
 from ._buffer import Buffer
 from ._descriptor import Descriptor
 
-__all__ = ["descriptor_of", "rebuild_buffer", "reduce_buffer"]
+__all__ = ["attach_buffer", "descriptor_of", "rebuild_buffer", "reduce_buffer", "reduce_pickled"]
 
 
 def descriptor_of(buf: Buffer) -> Descriptor:
@@ -83,12 +85,32 @@ def reduce_buffer(buf: Buffer) -> tuple[Any, tuple[bytes]]:
     return (rebuild_buffer, (template.fill(lease_id, event),))
 
 
+# Ray's form of a buffer (gpushare.ray.reduce_for_ray), handed down by the facade so
+# that this layer does not import the one above it.
+ray_form: Callable[[Buffer], tuple[Any, tuple[Any, ...]]] | None = None
+
+
+def reduce_pickled(buf: Buffer) -> tuple[Any, tuple[Any, ...]]:
+    """The ``copyreg`` reducer: plain pickle and cloudpickle, which is what Ray serializes
+    with. Inside a connected Ray process the buffer takes Ray's form (see
+    :mod:`gpushare.ray`): readable many times, on any node. multiprocessing's
+    ForkingPickler does not come here (its own table names :func:`reduce_buffer`)."""
+    ray = sys.modules.get("ray")
+    if ray_form is not None and ray is not None and getattr(ray, "is_initialized", lambda: False)():
+        return ray_form(buf)
+    return reduce_buffer(buf)
+
+
 def rebuild_buffer(data: bytes) -> Buffer:
     """Unpickling side: parse and check the descriptor, claim its lease, map it."""
-    desc = Descriptor.from_bytes(data)
+    return attach_buffer(Descriptor.from_bytes(data))
+
+
+def attach_buffer(desc: Descriptor) -> Buffer:
+    """The Buffer a checked descriptor names, mapped in this process under its lease."""
     memory = _lifetime.attach(desc)
     return Buffer(memory, desc.offset, desc.shape, np.dtype(desc.dtype))
 
 
-copyreg.pickle(Buffer, reduce_buffer)  # pickle, cloudpickle, copy
+copyreg.pickle(Buffer, reduce_pickled)  # pickle, cloudpickle (Ray), copy
 ForkingPickler.register(Buffer, reduce_buffer)  # and by name for multiprocessing's own pickler

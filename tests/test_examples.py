@@ -41,3 +41,18 @@ def test_fanout_example_runs_on_gpu() -> None:
     assert out.returncode == 0, out.stdout + out.stderr
     assert "backend: cuda_ipc on 0" in out.stdout
     assert out.stdout.count("[ok]") == 4
+
+
+def test_ray_pipeline_example_runs_on_host_backend() -> None:
+    pytest.importorskip("ray")
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", "ray_pipeline.py"), "--batches", "2"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=subprocess_env(GPUSHARE_BACKEND="host"),
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("returned as Buffer, same memory: True [ok]") == 2
+    assert out.stdout.count("received as ['Buffer']") == 2
+    assert "LeakWarning" not in out.stderr and "leaked" not in out.stderr

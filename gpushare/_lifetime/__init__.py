@@ -85,8 +85,9 @@ The service hands out :class:`~gpushare._memory.Memory` references; the layer ab
 
 from __future__ import annotations
 
-from ._link import Link, attach, close_link, close_links, link_stats
+from ._common import LOCAL
+from ._link import Link, attach, close_link, close_links, link_for, link_stats
 from ._link import _links as _links  # tests read the open links
 from ._owner import Owner, owner_for
 
-__all__ = ["Link", "Owner", "attach", "close_link", "close_links", "link_stats", "owner_for"]
+__all__ = ["LOCAL", "Link", "Owner", "attach", "close_link", "close_links", "link_for", "link_stats", "owner_for"]

@@ -108,6 +108,28 @@ class _LeaseTable(_Pool):
             lease.slot.mappers.add(holder)
         return lease
 
+    def lease_via(self, alloc_id: int, generation: int, via: int, holder: int) -> int:
+        """A new unclaimed lease on the allocation that lease ``via`` is on, for ``holder``,
+        who must hold ``via`` or see it unclaimed: re-sharing a received buffer, or one
+        of several receivers of a pickled form that is read many times (a Ray object
+        keeps its lease unclaimed and each reader leases through it)."""
+        with self._lock:
+            slot = self._slots.get(alloc_id)
+            lease = self._leases.get(via)
+            held = lease is not None and lease.slot is slot and lease.holder in (holder, None)
+            if lease is not None and held:
+                lease.quiet = True
+        if slot is None or not held:
+            raise DescriptorError(f"allocation {alloc_id} is not leased to this process")
+        return self.take_lease(slot, generation, record=False)[0]
+
+    def quiet_lease(self, lease_id: int) -> None:
+        """Mark an unclaimed lease quiet (see ``_Lease.quiet``): a Ray object's."""
+        with self._lock:
+            lease = self._leases.get(lease_id)
+            if lease is not None:
+                lease.quiet = True
+
     def _release_lease(self, lease_id: int, holder: int) -> None:
         """Lock held."""
         lease = self._leases.get(lease_id)

@@ -69,6 +69,7 @@ class Link(_Recorder):
 
     def __init__(self, address: str, token: bytes, authkey: bytes) -> None:
         self.token = token
+        self.authkey = bytes(authkey)
         self._address = address
         self.gone: str | None = None
         self.refused: str | None = None  # the owner said the descriptor was not its own
@@ -274,15 +275,22 @@ def attach(desc: Descriptor) -> Memory:
     owner = owner_for(desc.owner_token)
     if owner is not None:
         return owner.attach_local(desc)
-    link = _links.get(desc.owner_token)
+    return link_for(desc.address, desc.owner_token).attach(desc)
+
+
+def link_for(address: str, token: bytes, authkey: bytes | None = None) -> Link:
+    """This process's link to the owner ``token`` (made on first use). ``authkey``
+    defaults to the process authkey, which processes of the Manager's tree share;
+    others (Ray workers) are given the owner's."""
+    link = _links.get(token)
     if link is None or link.gone is not None:
         with _links_lock:
-            link = _links.get(desc.owner_token)
+            link = _links.get(token)
             if link is None or link.gone is not None:
-                authkey = bytes(current_process().authkey)
-                link = Link(desc.address, desc.owner_token, authkey)
-                _links[desc.owner_token] = link
-    return link.attach(desc)
+                key = bytes(current_process().authkey) if authkey is None else authkey
+                link = Link(address, token, key)
+                _links[token] = link
+    return link
 
 
 def link_stats() -> dict[str, Any]:

@@ -188,6 +188,11 @@ class Owner(_Service):
                 return
             self._closed = True
             self._drain_locked()
+            # An unclaimed quiet lease (a Ray object's) serves no one once sharing
+            # stops: its readers hold leases of their own.
+            for lease in [x for x in self._leases.values() if x.holder is None and x.quiet]:
+                del self._leases[lease.lease_id]
+                lease.slot.leases.discard(lease.lease_id)
             deadline = time.monotonic() + timeout
             while self._leases and time.monotonic() < deadline:
                 self._cond.wait(min(0.05, max(0.0, deadline - time.monotonic())))

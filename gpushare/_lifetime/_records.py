@@ -42,6 +42,9 @@ class _Lease:
     generation: int
     holder: int | None  # None = unclaimed, LOCAL, or a connection id
     created: float
+    # Expires without a warning and is dropped at shutdown: a Ray object's lease (read
+    # many times or never, as Ray decides), or one that receivers leased through.
+    quiet: bool = False
 
 
 @dataclass(eq=False)

@@ -86,14 +86,7 @@ class _Service(_Unmapper):
             # received it under, or have its claim of that lease still in flight.
             _, req, alloc_id, generation, via = message
             try:
-                with self._lock:
-                    slot = self._slots.get(alloc_id)
-                    lease = self._leases.get(via)
-                    held = lease is not None and lease.slot is slot and lease.holder in (peer.conn_id, None)
-                if slot is None or not held:
-                    raise DescriptorError(f"allocation {alloc_id} is not leased to this process")
-                lease_id, _ = self.take_lease(slot, generation, record=False)
-                peer.send(("ok", req, lease_id))
+                peer.send(("ok", req, self.lease_via(alloc_id, generation, via, peer.conn_id)))
             except (DescriptorError, ManagerClosedError) as exc:
                 peer.send(("err", req, str(exc)))
         elif kind == "fd":
@@ -176,6 +169,9 @@ class _Service(_Unmapper):
                 over = self._over_limit_locked()
             self._send_refusals()
             for lease in expired:
+                if lease.quiet:  # a Ray object's, or read through: its expiry is the end of its use
+                    log.debug("gpushare: lease %d (quiet) expired", lease.lease_id)
+                    continue
                 _warn(
                     f"gpushare: a lease on allocation {lease.slot.alloc_id} ({lease.slot.label}) was never "
                     f"claimed within {self.lease_timeout:g} s and expired; the pickled buffer was probably "

@@ -1,0 +1,202 @@
+"""Ray: gpushare Buffers as task and actor arguments, return values and ``ray.put`` objects.
+
+Nothing to register and nothing to call: ``Buffer.__reduce__`` sees that the
+process is connected to Ray (Ray serializes with cloudpickle, which honours
+``__reduce__``; multiprocessing's ForkingPickler keeps its own reducer) and
+gives the buffer its Ray form::
+
+    (gpushare.ray._rebuild, (descriptor bytes, node identity, Ray node id, owner authkey))
+
+Data flow:
+
+* **Serializing** (``ray.put``, a task argument, a return value) takes one
+  lease at the owner, as any pickling does, and leaves it *unclaimed*: a
+  Ray object can be read many times, by many workers, so no reader takes
+  it. It pins the memory until the owner's ``lease_timeout`` after the
+  object was made, then expires without a warning (a Ray object may be
+  read many times or never); the Manager's shutdown drops it. (A buffer
+  *received* from another process and put into Ray takes its lease through
+  that process's link: if no one reads that object it expires with a
+  ``LeaseExpiredWarning``, as any unread pickle does.)
+* **Reading on the owner's node** (same node identity, owner's socket
+  present): the reader connects to the owner with the authkey carried in
+  the object (Ray workers are not in the Manager's process tree), asks for
+  a lease of its own through the pinned one (the ``lease`` message,
+  :meth:`gpushare._lifetime.Owner.lease_via`) and maps the memory: the
+  reader gets a :class:`~gpushare.Buffer` over the *same* memory, under a
+  lease released by ``release()``, garbage collection or the worker's death,
+  like any gpushare consumer.
+* **Reading on another node**: the reader runs one small Ray task (no CPU
+  reserved) pinned to the owner's Ray node; that task maps the buffer as
+  above, returns a NumPy copy of its bytes, and releases it. Ray's object
+  store carries the copy; the reader gets a :class:`NodeCopy` (a writable
+  ``numpy.ndarray`` with the Buffer's host-side methods). gpushare has no
+  transport of its own across nodes.
+
+Node identity (:func:`node_identity`) is the kernel's boot id: processes
+with the same one run on the same machine and can reach each other's Unix
+sockets and shared memory (unless containers separate them: then the
+owner's socket is missing and the reader takes the copy path).
+``GPUSHARE_NODE_ID`` overrides it: tests set it per Ray node to make nodes
+of one machine behave as separate machines.
+
+Security: the Ray object carries the owner's multiprocessing authkey, so a
+Ray cluster is one trust domain for the Managers whose buffers enter it
+(as it already is for code: any client of a Ray cluster runs code on it).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import numpy as np
+
+from . import _lifetime
+from ._buffer import Buffer
+from ._descriptor import Descriptor
+from ._errors import DescriptorError, GpushareError, OwnerGoneError
+from ._reduction import attach_buffer, descriptor_of
+
+__all__ = ["NODE_ID_ENV", "NodeCopy", "node_identity", "reduce_for_ray"]
+
+NODE_ID_ENV = "GPUSHARE_NODE_ID"
+_BOOT_ID = "/proc/sys/kernel/random/boot_id"
+
+
+def node_identity() -> str:
+    """Which machine this process runs on: ``$GPUSHARE_NODE_ID`` if set, else the boot id."""
+    override = os.environ.get(NODE_ID_ENV)
+    if override:
+        return override
+    return _boot_id()
+
+
+@functools.lru_cache(maxsize=1)
+def _boot_id() -> str:
+    try:
+        with open(_BOOT_ID) as f:
+            return "boot:" + f.read().strip()
+    except OSError:  # not Linux /proc: the host name is the best we have
+        import socket
+
+        return "host:" + socket.gethostname()
+
+
+class NodeCopy(np.ndarray):
+    """A Buffer's bytes as they arrived on another node: a writable host copy.
+
+    It has the host-side methods of :class:`~gpushare.Buffer` that make sense
+    for a copy (``numpy()``, ``release()``, ``released``, ``with``) so code
+    written for a mapped Buffer runs unchanged; writes stay on this node.
+    """
+
+    _released: bool
+
+    def __array_finalize__(self, obj: Any) -> None:
+        self._released = False
+
+    def numpy(self) -> np.ndarray:
+        """The copy as a plain ndarray (a view of it, no further copy)."""
+        return self.view(np.ndarray)
+
+    def release(self) -> None:
+        """Nothing to give back: the copy is this process's own memory."""
+        self._released = True
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def __enter__(self) -> NodeCopy:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _authkey_of(buf: Buffer) -> bytes:
+    source: Any = buf._memory.source
+    owner = getattr(source, "owner", None)
+    if owner is not None:  # the owner's own buffer, or one unpickled in its process
+        return bytes(owner.authkey)
+    return bytes(source.link.authkey)  # a received buffer re-shared
+
+
+def reduce_for_ray(buf: Buffer) -> tuple[Any, tuple[Any, ...]]:
+    """The Ray form of ``buf`` (see the module docstring); takes one lease."""
+    import ray
+
+    authkey = _authkey_of(buf)
+    desc = descriptor_of(buf)
+    owner = _lifetime.owner_for(desc.owner_token)
+    if owner is not None:  # Ray may read the object many times or never: no warning either way
+        owner.quiet_lease(desc.lease_id)
+    return _rebuild, (desc.to_bytes(), node_identity(), ray.get_runtime_context().get_node_id(), authkey)
+
+
+def _attach_here(desc: Descriptor, authkey: bytes) -> Buffer:
+    """Map the buffer in this process (on the owner's node) under a lease of its own."""
+    try:
+        owner = _lifetime.owner_for(desc.owner_token)
+        if owner is not None:
+            lease = owner.lease_via(desc.alloc_id, desc.generation, desc.lease_id, _lifetime.LOCAL)
+        else:
+            link = _lifetime.link_for(desc.address, desc.owner_token, authkey)
+            lease = int(link.request("lease", desc.alloc_id, desc.generation, desc.lease_id))
+    except DescriptorError as exc:
+        raise DescriptorError(
+            f"a gpushare buffer in this Ray object can no longer be read ({exc}): a Ray object pins its "
+            "buffer for the owner Manager's lease_timeout after it is made, and afterwards only while the "
+            "owner's allocation is unchanged. Read it sooner, raise lease_timeout, or put the buffer again"
+        ) from None
+    return attach_buffer(desc._replace(lease_id=lease))
+
+
+def _rebuild(data: bytes, node: str, ray_node: str, authkey: bytes) -> Buffer | NodeCopy:
+    desc = Descriptor.from_bytes(data)
+    if node == node_identity() and os.path.exists(desc.address):
+        return _attach_here(desc, authkey)
+    return _copy_from_owner_node(data, ray_node, authkey)
+
+
+def _fetch_copy(data: bytes, authkey: bytes) -> np.ndarray:
+    """Runs on the owner's node: map the buffer, copy its bytes out, let it go."""
+    buf = _attach_here(Descriptor.from_bytes(data), authkey)
+    with buf:
+        out = buf.numpy()
+        return out.copy() if buf.device == "cpu" else out  # a host view must not outlive the lease
+
+
+@functools.lru_cache(maxsize=1)
+def _fetch_task() -> Any:
+    import ray
+
+    return ray.remote(num_cpus=0, max_retries=0)(_fetch_copy)
+
+
+def _copy_from_owner_node(data: bytes, ray_node: str, authkey: bytes) -> NodeCopy:
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    if not ray.is_initialized():
+        raise OwnerGoneError(
+            "this gpushare buffer was made on another machine and this process is not connected to Ray, "
+            "which carries copies between nodes; read it inside a Ray task or actor, or after ray.init()"
+        )
+    strategy = NodeAffinitySchedulingStrategy(node_id=ray_node, soft=False)
+    ref = _fetch_task().options(scheduling_strategy=strategy).remote(data, authkey)
+    try:
+        array = ray.get(ref)
+    except GpushareError as exc:  # Ray's task error subclasses the cause's class
+        cause = getattr(exc, "cause", exc)
+        if isinstance(cause, (OwnerGoneError, DescriptorError)):
+            raise type(cause)(f"reading a gpushare buffer from its owner's node failed: {cause}") from None
+        raise
+    except ray.exceptions.RayError as exc:
+        raise OwnerGoneError(
+            f"the Ray node that owns this gpushare buffer could not copy it ({type(exc).__name__}: {exc}); "
+            "its owner's node is probably gone. Keep the owner alive until readers are done"
+        ) from None
+    return np.array(array, copy=True).view(NodeCopy)  # Ray hands out read-only views of its store
