@@ -25,6 +25,7 @@ from ._errors import (
     GpushareError,
     LeakWarning,
     LeaseExpiredWarning,
+    LoaderError,
     ManagerClosedError,
     NoDeviceError,
     OutOfMemoryError,
@@ -32,6 +33,7 @@ from ._errors import (
     RingClosedError,
     StartMethodError,
 )
+from ._loader import SlotArray, SlotLoader, SlotWriter
 from ._manager import GRANULARITY, BufferManager
 from ._ring import Ring
 
@@ -52,12 +54,16 @@ __all__ = [
     "GpushareError",
     "LeakWarning",
     "LeaseExpiredWarning",
+    "LoaderError",
     "ManagerClosedError",
     "NoDeviceError",
     "OutOfMemoryError",
     "OwnerGoneError",
     "Ring",
     "RingClosedError",
+    "SlotArray",
+    "SlotLoader",
+    "SlotWriter",
     "StartMethodError",
 ]
 
