@@ -38,8 +38,10 @@ every slot of the worker it waits for would wait forever: that is a
 
 Ending: the epoch ends after the last batch, when the iterator is closed
 or collected (``break`` out of the loop), or at exit: the stop event is
-set, consumers leave their rings (so a worker blocked on a slot wakes),
-workers are joined and, past a bound, terminated. Workers also stop when
+set, workers are joined (a worker waiting for a slot polls the event) and,
+past a bound, terminated; only then does the trainer leave their rings,
+because leaving frees the slots it holds and a running worker could
+rewrite a batch the trainer keeps. Workers also stop when
 the trainer's process is gone (their task queue says so, and they poll).
 """
 
@@ -186,11 +188,11 @@ def default_collate(samples: list[Any], writer: SlotWriter) -> Any:
     if isinstance(first, dict):
         return {key: default_collate([s[key] for s in samples], writer) for key in first}
     if isinstance(first, tuple) and hasattr(first, "_fields"):
-        return type(first)(*(default_collate(list(field), writer) for field in zip(*samples)))
+        return type(first)(*(default_collate(list(field), writer) for field in zip(*samples, strict=True)))
     if isinstance(first, (tuple, list)):
         if any(len(s) != len(first) for s in samples):
             raise ValueError("samples have different lengths; every sample of a batch must have the same structure")
-        return type(first)(default_collate(list(field), writer) for field in zip(*samples))
+        return type(first)(default_collate(list(field), writer) for field in zip(*samples, strict=True))
     if isinstance(first, bool) or isinstance(first, (int, float, complex, np.generic)):
         return writer.put(np.asarray(samples))
     cai = getattr(first, "__cuda_array_interface__", None)
@@ -506,7 +508,7 @@ class SlotLoader:
                 "manager= must be a started gpushare.Manager(owner='server'): the slots must outlive the "
                 "worker that fills them, so the Manager's server owns them"
             )
-        chosen, ordinal = _backends.resolve(device, backend)
+        _, ordinal = _backends.resolve(device, backend)
         self.device: int | str = "cpu" if ordinal is None else ordinal
         self.backend = backend
         self.dataset = dataset
@@ -549,7 +551,7 @@ class SlotLoader:
         )
 
 
-def _shutdown(procs: list[Any], tasks: list[Any], control: Any, stop: Any, rings: list[Any]) -> None:
+def _shutdown(procs: list[Any], tasks: list[Any], control: Any, stop: Any, rings: list[Any], stash: list[Any]) -> None:
     """End an epoch: stop the workers, leave their rings, join them (terminating stragglers)."""
     stop.set()
     for q in tasks:
@@ -557,9 +559,9 @@ def _shutdown(procs: list[Any], tasks: list[Any], control: Any, stop: Any, rings
             q.put(None)
         except (ValueError, OSError, AssertionError):
             pass
-    for ring in rings:
-        if ring is not None:
-            ring.close()  # a worker blocked on a full ring wakes up
+    # Workers first, rings after: leaving a ring frees the slots this process holds, and a
+    # worker still running could then rewrite a batch the trainer keeps. A worker waiting
+    # for a slot polls the stop event, so it needs no wake-up.
     for proc in procs:
         proc.join(JOIN_TIMEOUT)
         if proc.is_alive():
@@ -568,6 +570,10 @@ def _shutdown(procs: list[Any], tasks: list[Any], control: Any, stop: Any, rings
         if proc.is_alive():
             proc.kill()
             proc.join(JOIN_TIMEOUT)
+    stashed = [message[2] for messages in stash for message in messages if message[0] == "ring"]
+    for ring in (*rings, *stashed):  # a ring read ahead of its turn is registered too
+        if ring is not None:
+            ring.close()
     for q in (*tasks, control):
         q.cancel_join_thread()
         q.close()
@@ -594,7 +600,7 @@ class _Epoch:
         self._sent = self._next = 0
         self._exhausted = False
         self._finalizer = weakref.finalize(
-            self, _shutdown, self._procs, self._tasks, self._control, self._stop, self._rings
+            self, _shutdown, self._procs, self._tasks, self._control, self._stop, self._rings, self._stash
         )
         options = {
             "parent": os.getpid(),
@@ -636,7 +642,7 @@ class _Epoch:
         return self
 
     def __next__(self) -> Any:
-        if self._next >= self._sent:
+        if self._next >= self._sent or not self._finalizer.alive:  # done, or ended by close() or an error
             self.close()
             raise StopIteration
         seq = self._next
