@@ -313,6 +313,14 @@ def _rebuild_exception(payload: tuple[Any, str]) -> BaseException:
 # ---------------------------------------------------------------------------
 
 
+_current: list[Any] = [None]  # in a worker: its dataset (for adapters' worker info)
+
+
+def current_dataset() -> Any:
+    """In a loader worker, the worker's copy of the dataset; None elsewhere."""
+    return _current[0]
+
+
 def _fetch(dataset: Any, indices: list[Any]) -> list[Any]:
     getitems = getattr(dataset, "__getitems__", None)
     if getitems is not None:
@@ -334,6 +342,7 @@ def _worker_main(worker: int, address: Any, dataset: Any, collate: Any, tasks: A
     manager = BufferManager(address=address, owner="server")
     try:
         manager.connect()
+        _current[0] = dataset
         if options["worker_init"] is not None:
             options["worker_init"](worker)
         ring = None
