@@ -16,7 +16,10 @@ import multiprocessing
 from multiprocessing import context as _mpctx
 from typing import Any
 
+from . import _manager
+from ._manager import BufferManager
 from ._process import GpuProcessMixin
+from ._queues import JoinableQueue, Queue
 
 __all__ = ["DefaultContext", "Process", "get_context", "get_start_method"]
 
@@ -44,20 +47,14 @@ class _ManagerMixin:
 
     def Queue(self, maxsize: int = 0) -> Any:
         """A queue that pickles items in ``put()`` (see gpushare._queues)."""
-        from ._queues import Queue
-
         return Queue(maxsize, ctx=self.get_context())  # type: ignore[attr-defined]
 
     def JoinableQueue(self, maxsize: int = 0) -> Any:
         """A joinable queue that pickles items in ``put()`` (see gpushare._queues)."""
-        from ._queues import JoinableQueue
-
         return JoinableQueue(maxsize, ctx=self.get_context())  # type: ignore[attr-defined]
 
     def Manager(self, **options: Any) -> Any:
         """A started :class:`~gpushare.BufferManager` (also a full multiprocessing Manager)."""
-        from ._manager import BufferManager
-
         manager = BufferManager(ctx=self.get_context(), **options)  # type: ignore[attr-defined]
         manager.start()
         return manager
@@ -89,6 +86,9 @@ class Process(GpuProcessMixin):
     """
 
     _start_method = None
+
+    def _resolved_start_method(self) -> str:
+        return str(get_start_method())
 
     @staticmethod
     def _Popen(process_obj: Any) -> Any:
@@ -129,3 +129,8 @@ def get_context(method: str | None = None) -> Any:
 
 def get_start_method(allow_none: bool = False) -> Any:
     return _default_context.get_start_method(allow_none)
+
+
+# A BufferManager made without ``ctx`` uses gpushare's default context; _manager sits
+# below this module, so the context is handed down here instead of imported there.
+_manager.default_context = get_context

@@ -23,6 +23,7 @@ import math
 import threading
 import warnings
 import weakref
+from collections.abc import Callable
 from multiprocessing import current_process, util
 from multiprocessing.managers import SyncManager
 from typing import Any
@@ -41,6 +42,15 @@ __all__ = ["GRANULARITY", "BufferManager", "round_size"]
 #: Every allocation is a multiple of this (the CUDA VMM granularity, 2 MiB).
 GRANULARITY = 2 << 20
 _MAX_BYTES = 1 << 50  # beyond any device; catches overflowing shapes early
+
+
+def _no_default_context() -> Any:
+    raise RuntimeError("gpushare._context was not imported; import gpushare, not its private modules")
+
+
+#: The context of a BufferManager made without ``ctx``: gpushare's default context, set by
+#: gpushare._context when it is imported (it sits above this module, which must not import it).
+default_context: Callable[[], Any] = _no_default_context
 
 
 def round_size(nbytes: int) -> int:
@@ -82,9 +92,7 @@ class BufferManager(SyncManager):
         **kwargs: Any,
     ) -> None:
         if ctx is None:
-            from ._context import get_context
-
-            ctx = get_context()
+            ctx = default_context()
         super().__init__(address, authkey, serializer, ctx, **kwargs)
         if backend is not None:
             _backends.get(backend)  # unknown names fail here, not at first use

@@ -111,11 +111,15 @@ class GpuProcessMixin(BaseProcess):
         return self._device
 
     def _resolved_start_method(self) -> str:
+        """The start method this process will use. The concrete classes name theirs;
+        ``gpushare.Process`` (in :mod:`gpushare._context`, the layer above) overrides this
+        to ask the default context."""
         method = getattr(self, "_start_method", None)
         if method is None:
-            from ._context import get_start_method
-
-            method = get_start_method()
+            raise StartMethodError(
+                f"{type(self).__name__} names no start method; start workers from a context "
+                "(gpushare.get_context(method).Process) or with gpushare.Process"
+            )
         return str(method)
 
     def start(self) -> None:

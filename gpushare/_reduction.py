@@ -1,8 +1,11 @@
 """Reducers: Buffer -> descriptor bytes -> Buffer.
 
 Pickling a buffer (through multiprocessing's ForkingPickler, plain
-``pickle`` or cloudpickle: all of them honour ``__reduce__``) takes one
-lease at the owner and produces ``(rebuild_buffer, (descriptor_bytes,))``.
+``pickle`` or cloudpickle: all of them consult :mod:`copyreg`'s dispatch
+table, where this module registers the reducer) takes one lease at the
+owner and produces ``(rebuild_buffer, (descriptor_bytes,))``. The reducer
+is registered from here rather than named by ``Buffer.__reduce__`` so that
+:mod:`gpushare._buffer` does not import this module, which imports it.
 No pointer and no live driver object is ever pickled: the descriptor
 names the memory, and :func:`rebuild_buffer` maps it again in the
 receiving process (or finds it, when that process is the owner).
@@ -14,8 +17,11 @@ mistake is, instead of sending something the receiver cannot use.
 
 from __future__ import annotations
 
+import copyreg
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
+
+import numpy as np
 
 from . import _lifetime
 from ._buffer import Buffer
@@ -52,7 +58,10 @@ def reduce_buffer(buf: Buffer) -> tuple[Any, tuple[bytes]]:
 
 def rebuild_buffer(data: bytes) -> Buffer:
     """Unpickling side: parse and check the descriptor, claim its lease, map it."""
-    return _lifetime.attach(Descriptor.from_bytes(data))
+    desc = Descriptor.from_bytes(data)
+    memory = _lifetime.attach(desc)
+    return Buffer(memory, desc.offset, desc.shape, np.dtype(desc.dtype))
 
 
-ForkingPickler.register(Buffer, reduce_buffer)
+copyreg.pickle(Buffer, reduce_buffer)  # pickle, cloudpickle, copy
+ForkingPickler.register(Buffer, reduce_buffer)  # and by name for multiprocessing's own pickler

@@ -1,0 +1,139 @@
+"""A consumer's connection to one owner: requests and replies, and the owner's unmap requests.
+
+:meth:`_Channel.request` sends ``(kind, req, ...)`` and waits (up to ``REQUEST_TIMEOUT``)
+for the reader thread (:meth:`_Channel._read_loop`) to hand it ``ok``, ``err`` or ``okfd``
+(then the fd itself, by SCM_RIGHTS). The reader also answers ``unmap`` (closing the
+mapping if no buffer of this process uses it), records ``claim_failed`` refusals, and
+on ``bye``, ``refused`` or a closed socket marks the owner gone, waking every waiter.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import os
+import queue
+import socket
+import threading
+from multiprocessing import connection, reduction
+from typing import Any
+
+from .. import _backends, _journal
+from .._errors import DescriptorError, OwnerGoneError
+from ._common import REQUEST_TIMEOUT, log
+
+
+class _LinkState:
+    """The state a :class:`~gpushare._lifetime.Link` keeps, shared by its parts
+    (set by :meth:`Link.__init__`; see there for what each field holds)."""
+
+    token: bytes
+    conn: connection.Connection
+    gone: str | None
+    refused: str | None
+    _address: str
+    _sock: socket.socket
+    _send_lock: threading.Lock
+    _map_lock: threading.Lock
+    _mappings: dict[int, _backends.Mapping]
+    _failed: dict[int, str]
+    _held: set[int]
+    _waiting: dict[int, list[Any]]
+    _wait_lock: threading.Lock
+    _reqs: itertools.count[int]
+    _journal: _journal.JournalWriter | None
+    _journal_lock: threading.Lock
+    _backlog: collections.deque[tuple[int, int, int, bool]]
+    _nudged_at: int
+    _wake: queue.SimpleQueue[int | None]
+
+
+class _Channel(_LinkState):
+    """Requests to the owner, the reader thread, and answering its unmap requests."""
+
+    def _send(self, message: tuple[Any, ...]) -> None:
+        try:
+            with self._send_lock:
+                self.conn.send(message)
+        except (OSError, ValueError) as exc:
+            self._mark_gone(f"connection lost: {exc}")
+            raise OwnerGoneError(f"the owner of this buffer is gone ({self.gone})") from exc
+
+    def request(self, kind: str, *args: Any) -> Any:
+        if self.refused is not None:
+            raise DescriptorError(self.refused)
+        if self.gone is not None:
+            raise OwnerGoneError(f"the owner of this buffer is gone ({self.gone})")
+        req = next(self._reqs)
+        slot: list[Any] = [threading.Event(), None, None]
+        with self._wait_lock:
+            self._waiting[req] = slot
+        try:
+            self._send((kind, req, *args))
+            if not slot[0].wait(REQUEST_TIMEOUT):
+                raise OwnerGoneError(f"the owner of this buffer did not answer within {REQUEST_TIMEOUT:g} s")
+        finally:
+            with self._wait_lock:
+                self._waiting.pop(req, None)
+        if slot[1] == "ok":
+            return slot[2]
+        if slot[1] == "err":
+            raise DescriptorError(slot[2])
+        if self.refused is not None:
+            raise DescriptorError(self.refused)
+        raise OwnerGoneError(f"the owner of this buffer is gone ({self.gone})")
+
+    def _read_loop(self) -> None:
+        try:
+            while True:
+                message = self.conn.recv()
+                kind = message[0]
+                if kind in ("ok", "err", "okfd"):
+                    value = message[2]
+                    if kind == "okfd":  # the fd follows the message on the socket
+                        kind, value = "ok", reduction.recvfds(self._sock, 1)[0]
+                    with self._wait_lock:
+                        slot = self._waiting.get(message[1])
+                    if slot is not None:
+                        slot[1], slot[2] = kind, value
+                        slot[0].set()
+                    elif kind == "ok" and message[0] == "okfd":
+                        os.close(value)  # the requester gave up waiting
+                elif kind == "unmap":
+                    ok = self._unmap(message[1])
+                    try:
+                        self._send(("unmapped", message[1], ok))
+                    except OwnerGoneError:
+                        return
+                elif kind == "claim_failed":
+                    self._failed[message[1]] = message[2]
+                elif kind == "bye":
+                    self._mark_gone(message[1])
+                    return
+                elif kind == "refused":
+                    self.refused = message[1]
+                    self._mark_gone(message[1])
+                    return
+        except (EOFError, OSError):
+            self._mark_gone("its process exited or closed the connection")
+
+    def _mark_gone(self, reason: str) -> None:
+        if self.gone is None:
+            self.gone = reason
+        with self._wait_lock:
+            for slot in self._waiting.values():
+                slot[0].set()
+
+    def _unmap(self, alloc_id: int) -> bool:
+        with self._map_lock:
+            mapping = self._mappings.get(alloc_id)
+            if mapping is None:
+                return True
+            if mapping.refs > 0:
+                return False
+            del self._mappings[alloc_id]
+        try:
+            _backends.get(mapping.backend).close(mapping)
+        except Exception:
+            log.exception("gpushare: closing a mapping failed")
+        return True

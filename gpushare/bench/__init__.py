@@ -1,0 +1,152 @@
+"""Benchmarks: gpushare's buffer handoff against its floors and its peers.
+
+``python -m gpushare.bench`` (``--quick`` for a short run, ``--help`` for
+the options) measures everything below in one run and writes three files
+to ``--out`` (default ``docs``): ``benchmarks.md`` (machine, versions and
+one table per scenario: medians, p90 and ratios to the floor),
+``benchmarks.json`` (every median, p90, mean and minimum, plus skip
+reasons, errors and whether each target is met) and ``benchmarks.png``
+(latency against the number of consumers, one panel per fan-out scenario,
+one line per system, the ring's panel with the Pipe floor and its targets;
+skipped with a note when matplotlib does not import).
+
+gpushare is measured once per CUDA backend (``--backends``, default every
+CUDA backend: ``cuda_ipc``, ``cuda_vmm``, ``cuda_pool``), each its own
+column ("gpushare cuda_vmm") with its own ratio to the floor, in the same
+run as the peers. The backend is chosen per allocation
+(``Manager.empty(..., backend=name)``); a backend this machine cannot run
+(``BackendUnavailableError``) is a skipped column with the reason.
+
+What one iteration is, per scenario (one producer, N consumer processes):
+
+``floors``
+    A small tuple sent down one ``multiprocessing.Pipe`` per consumer, or
+    put N times on one ``multiprocessing.Queue`` read by N consumers; each
+    consumer acks (on its pipe, or on one ack queue) and the producer
+    waits for every ack. No handoff can cost less than this notification,
+    so every other table is read as a ratio to the Queue floor (``ring``:
+    to the Pipe floor, whose acks it shares).
+``handoff_recycled`` / ``handoff_fresh``
+    The Queue-floor pattern carrying a 1 MiB buffer instead of the tuple:
+    the producer puts the buffer once per consumer; a consumer gets it,
+    touches its device pointer, lets it go and acks. Systems: gpushare,
+    one column per backend (``Manager.empty(..., backend=name)``;
+    consumers ``buf.ptr`` then ``buf.release()``), ``torch.multiprocessing``
+    (a CUDA tensor; ``t.data_ptr()`` then ``del t``) and cuda.core (a
+    buffer of an IPC-enabled ``DeviceMemoryResource``, which cuda.core
+    pickles itself; the memory resource is handed to each consumer at
+    spawn). *recycled* puts the same buffer every iteration; *fresh*
+    allocates one per iteration and drops it after the acks (each
+    library's pool or caching allocator recycles the memory, as it would
+    in a pipeline).
+``ring``
+    Fan-out through a ring (``manager.ring(shape, "float32", device=...,
+    slots=4, consumers=N, backend=name)``, 1 MiB float32 slots), one column
+    per backend, made once per cell and passed to each consumer as its
+    Process argument (each unpickling registers one consumer). One
+    iteration: ``buf = ring.acquire()``, ``ring.publish(buf)``, then one ack
+    from every consumer, each on its own spawn-context ``multiprocessing.Pipe``
+    exactly like the Pipe floor's ack; a consumer takes the item with
+    ``ring.get()``, reads ``item.ptr``, gives it back with ``item.release()``,
+    then acks. Ratios are to the *Pipe* floor. Targets, printed per row
+    with met / not met: 1 consumer <= 1.5x the Pipe floor; 4 consumers
+    <= 80 us; 8 consumers <= 150 us.
+``throughput``
+    Pipelined handoffs per second to one consumer, the producer never
+    waiting for each ack, for a 1 MiB and a 64 MiB buffer: the ring (4 slots;
+    the producer acquires and publishes as fast as released slots allow, the
+    consumer gets, touches, releases and acks only at the end of each timed
+    repeat), gpushare through its Queue (the same recycled buffer put again
+    and again), ``torch.multiprocessing`` through its Queue (a recycled CUDA
+    tensor; GPU only) and the plain ``multiprocessing.Queue`` floor (a small
+    tuple). The Queue systems keep at most 8 items put and not yet acked;
+    their consumer acks every 4 items with its count on a Pipe. Items/s over
+    a fixed count (2000 items, 1000 with ``--quick``) after a warm-up, per
+    repeat (5, 3 with ``--quick``); the table shows the median repeat.
+    Target: gpushare >= 30,000 handoffs/s at 1 MiB.
+``first_share``
+    Time from ``m.empty()`` of a fresh allocation through one consumer
+    mapping it and acking, one column per backend. Between iterations (not
+    timed) the producer waits for the consumer's lease to come back and
+    calls ``m.trim()``, so every iteration allocates, exports and maps new
+    memory.
+``peer_read``
+    Only with two or more GPUs and torch. Per backend, the producer fills a
+    1 GiB float32 buffer on cuda:0 and sends it to one consumer started
+    with ``Process(device=1)``. The consumer views it with
+    ``torch.as_tensor(buf, device="cuda:0")`` (the memory's own GPU; the
+    view must alias the mapping, else the cell fails) and times
+    ``dst.copy_(src)`` into a cuda:1 tensor with CUDA events on the
+    destination's stream, median of 20 copies (5 with ``--quick``), as GB/s
+    of bytes copied once. The reference, in the same consumer and
+    interleaved copy by copy: the same copy from a plain torch tensor the
+    consumer allocated on cuda:0 (the NVLink rate). Also a local copy
+    (cuda:0 -> cuda:0) of both. The mapped buffer should read at >= 0.90 of
+    the plain tensor's rate. The consumer checks the copies hold the
+    producer's fill, releases the buffer and drops its tensors before it
+    answers.
+``kernel_read``
+    Only with a GPU and torch. Per backend, the producer fills a 1 GiB
+    float32 buffer on cuda:0 and sends it to one consumer on the same GPU
+    (``Process(device=0)``), which views it with ``x = torch.from_dlpack(buf)``
+    (checked to alias the mapping, float32, the buffer's shape) and times
+    ``x.sum()`` with CUDA events on the current stream, interleaved with the
+    same reduction over ``torch.empty_like(x)`` filled by the consumer
+    itself: median of 10 after 3 warm-up rounds (5 after 2 with ``--quick``).
+    Read bandwidth is bytes / median time, for both; the mapped buffer
+    should read at >= 0.97 of the local tensor's rate. Both sums are checked
+    against the 1.0 fills; the consumer drops its tensors and releases the
+    buffer before it answers.
+``host``
+    A 64 MiB float32 array on the host backend (always runs, GPU or not):
+    a gpushare host buffer written in place, the same buffer refilled with
+    ``copy_from`` every iteration, and a plain ``multiprocessing.Queue``
+    carrying the NumPy array itself (a pickled copy per consumer).
+    Consumers touch the first element.
+
+How: everything uses the spawn start method. Consumers are module-level
+functions, started once per (scenario, system, N), reused across
+iterations, told to stop with a sentinel and always joined with a timeout
+(then terminated, then killed). After a warm-up, each iteration is timed
+with ``time.perf_counter_ns`` around "produce, put N times, collect N
+acks", with the garbage collector off in the producer while timing.
+Large transfers (64 MiB and up) run fewer iterations. A peer that cannot
+run here (not importable, no GPU, one GPU for ``peer_read``) is recorded
+as skipped with the reason; an error in one cell is recorded as that
+cell's error and the run goes on. Every wait has a timeout: a consumer that
+dies or stops answering fails its cell, not the run. ``throughput`` times
+whole repeats (one sample per repeat: elapsed time / items) instead of
+single iterations.
+
+Layout (``gpushare/bench/``): ``cli`` (the command line and ``main``), ``runner``
+(``Bench``: probe, plan, run), ``scenarios/`` (the registry and one module per scenario
+family), ``patterns`` (the handoff patterns scenarios are made of), ``peers`` (the
+floors, torch.multiprocessing, cuda.core), ``consumers`` (the functions the spawned
+consumers run), ``harness`` (timing, readiness, acks, stopping), ``results`` (series,
+scenarios, tasks), ``stats`` (``Cell``, ``Target``), ``settings`` (every constant, ``Config``),
+``fmt`` and the writers ``report_md``, ``report_json`` and ``report_plot``.
+
+Adding a scenario: write ``gpushare/bench/scenarios/<name>.py`` with
+
+- ``KEYS = ("<key>",)``: the scenario key(s) it adds (``--only`` accepts them);
+- ``plan(bench)``: ``if bench.add(Scenario(key, title, row_label, rows, ...)):`` then one
+  ``bench.task(key, system, row, _bind(run, bench, *args), skip)`` per cell, where
+  ``run(bench, *args)`` returns the samples in ns (``list[int]``; or ``{system: samples}``
+  for a task that fills a whole row with ``system=None``) and ``skip`` is None or the reason
+  the cell cannot run here (``bench.gpu_reason``, ``peers.torch_skip(bench)``, ...);
+- ``run`` built from ``patterns`` (``queue_fanout(bench, ctx, n, kind, produce)`` is the
+  Queue fan-out: put one item N times, collect N acks) or from ``harness`` directly, its
+  consumers module-level functions (in ``consumers`` or in the scenario module: spawn
+  imports them by module name);
+- optionally ``HOW``: a paragraph for the report's "How measured";
+
+then add its name to ``MODULES`` in ``gpushare/bench/scenarios/__init__.py``: that line
+decides where it runs and where its table appears. A ``Scenario`` of kind ``latency``
+(the default) needs nothing else: the markdown, JSON and plot writers lay it out.
+"""
+
+from __future__ import annotations
+
+from .cli import main
+
+__all__ = ["main"]

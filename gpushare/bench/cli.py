@@ -1,0 +1,197 @@
+"""The command line: ``python -m gpushare.bench`` parses, plans, runs and writes the three reports."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from dataclasses import asdict
+
+from .report_json import render_json
+from .report_md import render_markdown
+from .report_plot import render_plot
+from .runner import Bench
+from .scenarios import scenario_modules
+from .settings import (
+    CONSUMERS,
+    CUDA_BACKENDS,
+    FLOOR_SCENARIO,
+    HOST_BACKEND,
+    HOST_CONSUMERS,
+    KERNEL_ITERS,
+    KERNEL_ITERS_QUICK,
+    KERNEL_WARMUP,
+    KERNEL_WARMUP_QUICK,
+    PEER_ITERS,
+    PEER_ITERS_QUICK,
+    PEER_WARMUP,
+    PEER_WARMUP_QUICK,
+    STREAM_COUNT,
+    STREAM_COUNT_QUICK,
+    STREAM_REPEATS,
+    STREAM_REPEATS_QUICK,
+    STREAM_WARMUP,
+    STREAM_WARMUP_QUICK,
+    Config,
+    _progress,
+)
+
+#: --only's choices: every registered scenario's keys, in the registry's order.
+SCENARIO_KEYS = tuple(key for module in scenario_modules() for key in module.KEYS)
+
+
+def _known_cuda_backends() -> tuple[str, ...]:
+    """CUDA_BACKENDS, then any other CUDA backend the library lists (never fails)."""
+    names = list(CUDA_BACKENDS)
+    try:
+        from .._backends import BACKENDS
+
+        names += [name for name in BACKENDS if name != HOST_BACKEND and name not in names]
+    except Exception:
+        pass
+    return tuple(names)
+
+
+def _backend_list(text: str) -> tuple[str, ...]:
+    known = _known_cuda_backends()
+    names: list[str] = []
+    for name in (v.strip() for v in text.split(",")):
+        if name and name not in names:
+            names.append(name)
+    if not names:
+        raise argparse.ArgumentTypeError(f"{text!r}: name at least one backend ({', '.join(known)})")
+    if HOST_BACKEND in names:
+        raise argparse.ArgumentTypeError(
+            "--backends lists CUDA backends; the host backend is measured with --backend host"
+        )
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown CUDA backend(s) {', '.join(unknown)}; valid: {', '.join(known)}")
+    return tuple(names)
+
+
+def _counts(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of ints") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: consumer counts are ints >= 1")
+    return values
+
+
+def _parse(argv: list[str] | None) -> Config:
+    parser = argparse.ArgumentParser(
+        prog="python -m gpushare.bench",
+        description="Measure gpushare's buffer handoff (one column per backend) against multiprocessing floors, "
+        "torch.multiprocessing and cuda.core, its ring's fan-out and pipelined throughput, and the bandwidth of "
+        "kernels reading mapped memory (same GPU; peer GPU with two); write benchmarks.md, benchmarks.json and "
+        "benchmarks.png.",
+    )
+    parser.add_argument("--out", default="docs", help="directory for the reports (default: docs)")
+    parser.add_argument("--quick", action="store_true", help="fewer iterations, for smoke and CI runs")
+    parser.add_argument(
+        "--backend",
+        choices=("host", "cuda"),
+        default=None,
+        help="gpushare backend for the handoff scenarios (default: cuda when a GPU is usable, else host)",
+    )
+    parser.add_argument(
+        "--backends",
+        type=_backend_list,
+        default=None,
+        help="gpushare CUDA backends to measure, one column each, comma-separated (default: every CUDA "
+        f"backend: {','.join(CUDA_BACKENDS)}); ignored with --backend host",
+    )
+    parser.add_argument("--iters", type=int, default=None, help="timed iterations per cell (default 300; 100 quick)")
+    parser.add_argument(
+        "--consumers", type=_counts, default=CONSUMERS, help="consumer counts, comma-separated (default 1,2,4,8)"
+    )
+    parser.add_argument(
+        "--only",
+        default=None,
+        help=f"run only these scenarios, comma-separated: {', '.join(SCENARIO_KEYS)} "
+        "(the floors always run: every ratio is taken to them)",
+    )
+    args = parser.parse_args(argv)
+    backend = args.backend
+    if backend is None:
+        from .. import _cuda
+
+        backend = "cuda" if _cuda.available() else "host"
+    iters = args.iters if args.iters is not None else (100 if args.quick else 300)
+    if iters < 1:
+        parser.error("--iters must be at least 1")
+    only = None
+    if args.only:
+        only = frozenset(k.strip() for k in args.only.split(",") if k.strip())
+        unknown = sorted(only - set(SCENARIO_KEYS))
+        if unknown:
+            parser.error(f"unknown scenario(s) {', '.join(unknown)}; valid: {', '.join(SCENARIO_KEYS)}")
+        only |= {FLOOR_SCENARIO}
+    host_consumers = tuple(n for n in args.consumers if n <= max(HOST_CONSUMERS)) or (1,)
+    return Config(
+        out=args.out,
+        quick=args.quick,
+        backend=backend,
+        iters=iters,
+        warmup=10 if args.quick else 20,
+        heavy_iters=max(20, iters // 5),
+        heavy_warmup=2 if args.quick else 3,
+        consumers=args.consumers,
+        host_consumers=host_consumers,
+        only=only,
+        backends=args.backends or _known_cuda_backends(),
+        peer_iters=PEER_ITERS_QUICK if args.quick else PEER_ITERS,
+        peer_warmup=PEER_WARMUP_QUICK if args.quick else PEER_WARMUP,
+        stream_count=STREAM_COUNT_QUICK if args.quick else STREAM_COUNT,
+        stream_warmup=STREAM_WARMUP_QUICK if args.quick else STREAM_WARMUP,
+        stream_repeats=STREAM_REPEATS_QUICK if args.quick else STREAM_REPEATS,
+        kernel_iters=KERNEL_ITERS_QUICK if args.quick else KERNEL_ITERS,
+        kernel_warmup=KERNEL_WARMUP_QUICK if args.quick else KERNEL_WARMUP,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = _parse(argv)
+    bench = Bench(cfg)
+    bench.probe()
+    bench.plan()
+    _progress(
+        f"gpushare.bench: backend {cfg.backend} ({', '.join(cfg.backends)}), {len(bench.tasks)} cells, "
+        f"{cfg.iters} iterations each "
+        f"({cfg.heavy_iters} for 64 MiB and larger); reports go to {cfg.out}/"
+    )
+    started = time.monotonic()
+    bench.run()
+    os.makedirs(cfg.out, exist_ok=True)
+    try:
+        plot_note = render_plot(bench.scenarios, bench.meta, os.path.join(cfg.out, "benchmarks.png"))
+    except Exception as exc:  # a plot must never cost the measurements
+        plot_note = f"No plot: drawing it failed ({type(exc).__name__}: {exc})."
+    bench.meta["elapsed_s"] = round(time.monotonic() - started, 1)
+    # A report that fails to render must not lose the measurements: fall back to the raw results.
+    try:
+        report = render_json(bench.scenarios, bench.meta)
+    except Exception as exc:
+        report = {
+            "meta": bench.meta,
+            "render_error": f"{type(exc).__name__}: {exc}",
+            "scenarios": {key: asdict(s) for key, s in bench.scenarios.items()},
+        }
+    with open(os.path.join(cfg.out, "benchmarks.json"), "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=2, default=str)
+        f.write("\n")
+    try:
+        markdown = render_markdown(bench.scenarios, bench.meta, plot_note)
+    except Exception as exc:
+        markdown = (
+            f"# gpushare benchmarks\n\nThe report failed to render ({type(exc).__name__}: {exc}); "
+            "every measurement is in benchmarks.json.\n"
+        )
+    with open(os.path.join(cfg.out, "benchmarks.md"), "w", encoding="utf-8") as f:
+        f.write(markdown)
+    _progress(f"gpushare.bench: done in {bench.meta['elapsed_s']} s; wrote {cfg.out}/benchmarks.md, .json")
+    _progress(plot_note)
+    return 0

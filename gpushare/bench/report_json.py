@@ -1,0 +1,83 @@
+"""The JSON report (``benchmarks.json``): every median, p90, mean and minimum, skips, errors, targets."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from .fmt import _floor_cell, _kernel_row, _peer_row, _rate, _rate_floor
+from .results import Scenario
+from .settings import KERNEL_TARGET, PEER_TARGET, STREAM_ACK_EVERY, STREAM_WINDOW, Target
+
+
+def render_json(scenarios: dict[str, Scenario], meta: dict[str, Any]) -> dict[str, Any]:
+    return {"meta": meta, "scenarios": {key: _scenario_json(scenarios, s) for key, s in scenarios.items()}}
+
+
+def _scenario_json(scenarios: dict[str, Scenario], s: Scenario) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "title": s.title,
+        "row_label": s.row_label,
+        "rows": s.rows,
+        "kind": s.kind,
+        "skipped": s.skipped,
+        "floor": list(s.floor) if s.floor else None,
+        "floor_row": s.floor_row,
+        "notes": s.notes,
+        "systems": {
+            name: {
+                "skipped": series.skipped,
+                "errors": series.errors,
+                "cells": {row: asdict(cell) for row, cell in series.cells.items()},
+            }
+            for name, series in s.systems.items()
+        },
+    }
+    if s.row_skips or s.row_errors:
+        out["row_skips"] = s.row_skips
+        out["row_errors"] = s.row_errors
+    if s.targets:
+        out["targets"] = {row: _target_json(scenarios, s, row, target) for row, target in s.targets.items()}
+    if s.kind == "rate":
+        # The cells above are times per item (us); this is the table of the report, in items/s.
+        out["window"] = STREAM_WINDOW
+        out["ack_every"] = STREAM_ACK_EVERY
+        out["table"] = {
+            row: {
+                name: {
+                    "items_per_s": None if (r := _rate(cell)) is None else round(r, 1),
+                    "items_per_s_p10": None if (r := _rate(cell, p90=True)) is None else round(r, 1),
+                    "us_per_item": cell.median_us,
+                }
+                for name, series in s.systems.items()
+                if (cell := series.cells.get(row)) is not None
+            }
+            for row in s.rows
+        }
+    if s.kind == "kernel":
+        out["bytes_per_sum"] = s.throughput_bytes
+        out["target_ratio"] = KERNEL_TARGET
+        out["table"] = {row: _kernel_row(s, row) for row in s.rows if any(row in x.cells for x in s.systems.values())}
+        out["details"] = s.details
+    if s.kind == "throughput":
+        # The cells above are times of one copy (us); this is the table of the report, in GB/s.
+        out["bytes_per_copy"] = s.throughput_bytes
+        out["target_ratio"] = PEER_TARGET
+        out["table"] = {row: _peer_row(s, row) for row in s.rows if any(row in x.cells for x in s.systems.values())}
+        out["details"] = s.details
+    return out
+
+
+def _target_json(scenarios: dict[str, Scenario], s: Scenario, row: str, target: Target) -> dict[str, Any]:
+    floor = _rate_floor(s, row) if s.kind == "rate" else _floor_cell(scenarios, s, row)
+    return {
+        "kind": target.kind,
+        "limit": target.limit,
+        "text": target.text("floor"),
+        "floor": None if s.floor is None else list(s.floor),
+        "met": {
+            name: target.met(series.cells.get(row), floor)
+            for name, series in s.systems.items()
+            if series.skipped is None and (s.target_systems is None or name in s.target_systems)
+        },
+    }

@@ -1,0 +1,297 @@
+"""The markdown report (``benchmarks.md``): the machine, how it was measured, one table per scenario.
+
+Latency scenarios share one table layout (floor, systems, ratios, targets); the ``rate``,
+``throughput`` (peer_read) and ``kernel`` kinds have their own. Below each table: skipped
+columns, errors and notes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from .fmt import (
+    _floor_cell,
+    _fmt_cell,
+    _fmt_gbps,
+    _fmt_rate,
+    _kernel_row,
+    _met_text,
+    _peer_row,
+    _rate,
+    _rate_floor,
+    _ratio,
+)
+from .results import Scenario
+from .scenarios import scenario_modules
+from .settings import KERNEL_LOCAL, KERNEL_MAPPED, KERNEL_TARGET, PEER_TARGET, STREAM_FLOOR
+
+
+def render_markdown(scenarios: dict[str, Scenario], meta: dict[str, Any], plot_note: str) -> str:
+    lines = [
+        "# gpushare benchmarks",
+        "",
+        f"Written by `python -m gpushare.bench` on {meta['date']}; run it again rather than editing this file.",
+        "",
+        "| | |",
+        "|---|---|",
+    ]
+    for label, key in (
+        ("device", "device"),
+        ("driver", "driver"),
+        ("CUDA (driver API)", "cuda_driver_api"),
+        ("cuda-bindings", "cuda_bindings"),
+        ("python", "python"),
+        ("gpushare", "gpushare"),
+        ("torch", "torch"),
+        ("cuda-core", "cuda_core"),
+        ("numpy", "numpy"),
+        ("gpushare backend", "backend"),
+        ("gpushare CUDA backends", "backends"),
+        ("GPUs", "gpus"),
+        ("CPUs", "cpus"),
+        ("platform", "platform"),
+    ):
+        lines.append(f"| {label} | {meta.get(key)} |")
+    lines.append(
+        f"| iterations | {meta['iters']} timed after {meta['warmup']} warm-up "
+        f"({meta['heavy_iters']} for 64 MiB and larger){'; --quick' if meta['quick'] else ''} |"
+    )
+    lines += [
+        "",
+        "## How measured",
+        "",
+        "One producer process and N consumer processes, all started with spawn. Consumers are started once "
+        "per cell (scenario, system, N), warmed up, then reused for every timed iteration. One iteration is: "
+        "produce the item (or reuse it), put it on the transport once per consumer, and wait until every "
+        "consumer has acknowledged it; each consumer gets the item, touches it (device pointer, first "
+        "element) and lets it go before acking. The iteration is timed with `time.perf_counter_ns` with the "
+        "producer's garbage collector off. Cells show the median and, in parentheses, the 90th percentile, "
+        "in microseconds; ratio columns divide medians by the floor: the same pattern carrying a small "
+        "tuple through `multiprocessing.Queue` (the first table), which no handoff can beat.",
+        "",
+        "gpushare has one column per backend (`--backends`; `Manager.empty(..., backend=name)` picks it per "
+        "allocation), measured in the same run as the peers, each with its own ratio to the floor. A backend this "
+        "machine cannot run (`BackendUnavailableError`) is listed as a skipped column with the reason.",
+        "",
+    ]
+    # Each scenario module may explain itself (its HOW), in the registry's order.
+    for module in scenario_modules():
+        how = getattr(module, "HOW", "")
+        if how:
+            lines += [how, ""]
+    lines += [
+        "**Absolute times mean something only on a GPU machine** (and only on one like the one named above): "
+        "CPU count, scheduler noise and the host-only backend change them a lot. Compare ratios to the floor, "
+        "which were measured in the same run and the same pattern.",
+        "",
+    ]
+    for scenario in scenarios.values():
+        lines += _render_scenario(scenarios, scenario)
+    lines += ["## Plot", "", plot_note, ""]
+    return "\n".join(lines)
+
+
+def _render_scenario(scenarios: dict[str, Scenario], scenario: Scenario) -> list[str]:
+    if scenario.skipped is not None:
+        return [f"## {scenario.title}", "", f"`{scenario.key}`: skipped: {scenario.skipped}", ""]
+    if scenario.kind == "throughput":
+        return [f"## {scenario.title}", "", *_render_peer_read(scenario)]
+    if scenario.kind == "kernel":
+        return [f"## {scenario.title}", "", *_render_kernel_read(scenario)]
+    if scenario.kind == "rate":
+        return [f"## {scenario.title}", "", *_render_rate(scenario)]
+    systems = [name for name, s in scenario.systems.items() if s.skipped is None]
+    if scenario.floor is not None and scenario.floor[0] == scenario.key:
+        systems = [name for name in systems if name != scenario.floor[1]]  # shown once, as the floor
+    wanted = scenario.ratio_systems
+    ratio_systems = [n for n in systems if scenario.floor is not None and (wanted is None or n in wanted)]
+    judged = _judged(scenario, systems)
+    header = [scenario.row_label]
+    if scenario.floor is not None:
+        header.append(f"floor ({scenario.floor[1]})")
+    header += systems
+    header += [f"{name} / floor" for name in ratio_systems]
+    header += [f"{a} / {b}" for a, b in scenario.extra_ratios]
+    if scenario.targets:
+        header.append("target")
+        header += [f"{name}: target" for name in judged]
+    out = [f"## {scenario.title}", "", f"`{scenario.key}`: median us (p90 us)", ""]
+    out.append("| " + " | ".join(header) + " |")
+    out.append("|" + "|".join("---" for _ in header) + "|")
+    for row in scenario.rows:
+        floor = _floor_cell(scenarios, scenario, row)
+        cells = [row]
+        if scenario.floor is not None:
+            cells.append(_fmt_cell(floor))
+        cells += [_fmt_cell(scenario.systems[name].cells.get(row)) for name in systems]
+        cells += [_ratio(scenario.systems[name].cells.get(row), floor) for name in ratio_systems]
+        for a, b in scenario.extra_ratios:
+            sa, sb = scenario.systems.get(a), scenario.systems.get(b)
+            cells.append(_ratio(sa.cells.get(row) if sa else None, sb.cells.get(row) if sb else None))
+        if scenario.targets:
+            target = scenario.targets.get(row)
+            cells.append("-" if target is None else target.text("floor"))
+            for name in judged:
+                met = None if target is None else target.met(scenario.systems[name].cells.get(row), floor)
+                cells.append(_met_text(met))
+        out.append("| " + " | ".join(cells) + " |")
+    out.append("")
+    if scenario.targets and scenario.floor is not None:
+        goals = "; ".join(
+            f"{scenario.row_label} {row}: {target.text(f'the {scenario.floor[1]} floor')}"
+            for row, target in scenario.targets.items()
+        )
+        out.append(f"- Targets (median): {goals}.")
+    return _with_trailer(out, scenario)
+
+
+def _with_trailer(out: list[str], scenario: Scenario) -> list[str]:
+    """``out`` followed by the skipped columns, errors and notes, ending with a blank line."""
+    out = list(out)
+    for name, series in scenario.systems.items():
+        if series.skipped is not None:
+            out.append(f"- {name}: skipped: {series.skipped}")
+        for row, error in series.errors.items():
+            out.append(f"- {name}, {scenario.row_label} {row}: error: {error}")
+    for row, reason in scenario.row_skips.items():
+        out.append(f"- {scenario.row_label} {row}: skipped: {reason}")
+    for row, error in scenario.row_errors.items():
+        out.append(f"- {scenario.row_label} {row}: error: {error}")
+    for note in scenario.notes:
+        out.append(f"- {note}")
+    if not out or out[-1] != "":
+        out.append("")
+    return out
+
+
+def _judged(scenario: Scenario, systems: Sequence[str]) -> list[str]:
+    """The systems (among ``systems``) judged against the scenario's targets."""
+    if not scenario.targets:
+        return []
+    wanted = scenario.target_systems
+    return [name for name in systems if wanted is None or name in wanted]
+
+
+def _render_rate(scenario: Scenario) -> list[str]:
+    """One row per system (the sizes are columns: the systems are many, the sizes few)."""
+    systems = [name for name, s in scenario.systems.items() if s.skipped is None]
+    has_floor = STREAM_FLOOR in systems
+    judged = _judged(scenario, systems)
+    goals = [(row, target) for row, target in scenario.targets.items() if row in scenario.rows]
+    out = [
+        f"`{scenario.key}`: items per second, median over the timed repeats (10th percentile)"
+        + (f"; `/ floor`: that rate over the {STREAM_FLOOR} rate of the same size" if has_floor else ""),
+        "",
+    ]
+    header = ["system", *(f"{row} (items/s)" for row in scenario.rows)]
+    if has_floor:
+        header += [f"{row} / floor" for row in scenario.rows]
+    header += [f"target: {target.text()} at {row}" for row, target in goals]
+    out.append("| " + " | ".join(header) + " |")
+    out.append("|" + "|".join("---" for _ in header) + "|")
+    for name in systems:
+        series = scenario.systems[name]
+        cells = [f"{name} (floor)" if name == STREAM_FLOOR else name]
+        for row in scenario.rows:
+            cell = series.cells.get(row)
+            cells.append("-" if cell is None else f"{_fmt_rate(_rate(cell))} ({_fmt_rate(_rate(cell, p90=True))})")
+        if has_floor:
+            for row in scenario.rows:
+                rate, floor = _rate(series.cells.get(row)), _rate(_rate_floor(scenario, row))
+                cells.append("-" if rate is None or not floor else f"{rate / floor:.2f}")
+        for row, target in goals:
+            cells.append(_met_text(target.met(series.cells.get(row))) if name in judged else "-")
+        out.append("| " + " | ".join(cells) + " |")
+    out.append("")
+    return _with_trailer(out, scenario)
+
+
+def _render_peer_read(scenario: Scenario) -> list[str]:
+    out = [
+        f"`{scenario.key}`: GB/s (bytes copied once / median time of one copy); "
+        f"target: mapped / plain >= {PEER_TARGET:.2f}",
+        "",
+    ]
+    header = [
+        scenario.row_label,
+        "peer read of the mapped buffer (GB/s)",
+        "peer read of a plain tensor (GB/s)",
+        "mapped / plain",
+        "local copy of the mapped buffer (GB/s)",
+        "local copy of a plain tensor (GB/s)",
+    ]
+    out.append("| " + " | ".join(header) + " |")
+    out.append("|" + "|".join("---" for _ in header) + "|")
+    below = []
+    for row in scenario.rows:
+        values = _peer_row(scenario, row)
+        ratio = values["ratio"]
+        if ratio is None:
+            ratio_text = "-"
+        else:
+            ratio_text = f"{ratio:.2f}" + ("" if values["meets_target"] else " (below target)")
+            if not values["meets_target"]:
+                below.append(row)
+        out.append(
+            "| "
+            + " | ".join(
+                [
+                    row,
+                    _fmt_gbps(values["peer_read_mapped_gb_s"]),
+                    _fmt_gbps(values["peer_read_plain_gb_s"]),
+                    ratio_text,
+                    _fmt_gbps(values["local_copy_mapped_gb_s"]),
+                    _fmt_gbps(values["local_copy_plain_gb_s"]),
+                ]
+            )
+            + " |"
+        )
+    out.append("")
+    for row, reason in scenario.row_skips.items():
+        out.append(f"- {row}: skipped: {reason}")
+    for row, error in scenario.row_errors.items():
+        out.append(f"- {row}: error: {error}")
+    for name, series in scenario.systems.items():
+        for row, error in series.errors.items():
+            out.append(f"- {name}, {row}: error: {error}")
+    if below:
+        out.append(f"- Below the {PEER_TARGET:.2f} target: {', '.join(below)}.")
+    for row, info in scenario.details.items():
+        access = info.get("torch_peer_access")
+        if access is False:
+            out.append(f"- {row}: torch reports no peer access from {info.get('destination')} to {info.get('source')}.")
+    for note in scenario.notes:
+        out.append(f"- {note}")
+    if out[-1] != "":
+        out.append("")
+    return out
+
+
+def _render_kernel_read(scenario: Scenario) -> list[str]:
+    out = [
+        f"`{scenario.key}`: GB/s (bytes read once / median time of one `x.sum()`); "
+        f"target: mapped / local >= {KERNEL_TARGET:.2f}",
+        "",
+    ]
+    header = [scenario.row_label, f"{KERNEL_MAPPED} (GB/s)", f"{KERNEL_LOCAL} (GB/s)", "mapped / local", "target"]
+    out.append("| " + " | ".join(header) + " |")
+    out.append("|" + "|".join("---" for _ in header) + "|")
+    for row in scenario.rows:
+        values = _kernel_row(scenario, row)
+        ratio = values["ratio"]
+        out.append(
+            "| "
+            + " | ".join(
+                [
+                    row,
+                    _fmt_gbps(values["mapped_gb_s"]),
+                    _fmt_gbps(values["local_gb_s"]),
+                    "-" if ratio is None else f"{ratio:.3f}",
+                    _met_text(values["meets_target"]),
+                ]
+            )
+            + " |"
+        )
+    out.append("")
+    return _with_trailer(out, scenario)

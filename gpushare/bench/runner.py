@@ -1,0 +1,219 @@
+"""The run: probe the machine, plan every registered scenario into tasks, run them in order.
+
+``Bench.plan`` asks each module of ``scenarios.MODULES`` to add its scenario(s) and their
+tasks (``Bench.add``, ``Bench.task``); ``Bench.run`` runs the tasks one by one, recording
+each cell's samples, skip reason or error, so one failing cell never costs the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import os
+import platform
+import shutil
+import subprocess
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .fmt import _fmt_gbps, _fmt_rate, _gbps, _gs_label, _rate
+from .results import Samples, Scenario, Series, Task, _unavailable
+from .scenarios import scenario_modules
+from .settings import HOST_BACKEND, BenchError, Config, _gpushare, _progress, _version_of
+from .stats import Cell
+
+
+class Bench:
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.stack = contextlib.ExitStack()
+        self._manager: Any = None
+        self.scenarios: dict[str, Scenario] = {}
+        self.tasks: list[Task] = []
+        self.meta: dict[str, Any] = {}
+        self.gpu_reason: str | None = None  # why CUDA scenarios cannot run; None when they can
+        self.device: int | None = None
+        self.gpu_count = 0
+
+    # -- environment -----------------------------------------------------------------
+    def probe(self) -> None:
+        from .. import __version__, _cuda
+
+        cfg = self.cfg
+        gpu_ok = False
+        try:
+            gpu_ok = _cuda.available()
+        except Exception:
+            gpu_ok = False
+        if gpu_ok:
+            with contextlib.suppress(Exception):
+                self.gpu_count = int(_cuda.device_count())
+        if cfg.backend == "host":
+            self.gpu_reason = "run with the host backend (--backend host)" + (
+                "" if gpu_ok else "; no usable GPU or CUDA driver on this machine"
+            )
+        elif not gpu_ok:
+            self.gpu_reason = "no usable GPU or CUDA driver on this machine"
+        else:
+            self.device = 0
+        meta: dict[str, Any] = {
+            "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "backend": cfg.backend,
+            "backends": ", ".join(cfg.backends) + (" (not run: host backend)" if cfg.backend == "host" else ""),
+            "gpus": self.gpu_count,
+            "device": "none (host backend)" if cfg.backend == "host" else "none usable",
+            "driver": "none",
+            "cuda_driver_api": "none",
+            "cuda_bindings": _cuda.bindings_version(),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "gpushare": __version__,
+            "numpy": np.__version__,
+            "torch": "not used (host backend)" if cfg.backend == "host" else _version_of("torch"),
+            "cuda_core": "not used (host backend)" if cfg.backend == "host" else _version_of("cuda-core"),
+            "iters": cfg.iters,
+            "warmup": cfg.warmup,
+            "heavy_iters": cfg.heavy_iters,
+            "quick": cfg.quick,
+        }
+        if gpu_ok:
+            with contextlib.suppress(Exception):
+                version = _cuda.driver_version()
+                meta["cuda_driver_api"] = f"CUDA {version // 1000}.{version % 1000 // 10}"
+            with contextlib.suppress(Exception):
+                meta["device"] = f"{_cuda.device_name(0)} (cuda:0)"
+                if cfg.backend == "host":
+                    meta["device"] += ", unused: host backend"
+            meta["driver"] = _nvidia_driver() or meta["cuda_driver_api"]
+        self.meta = meta
+
+    def manager(self) -> Any:
+        if self._manager is None:
+            gpushare = _gpushare()
+
+            self._manager = self.stack.enter_context(gpushare.Manager())
+        return self._manager
+
+    def gs_columns(self) -> list[tuple[str, str, int | str, str | None]]:
+        """gpushare's columns: (label, backend, device, skip reason), one per backend.
+
+        With the host backend, the host column runs and the CUDA columns are listed as skipped.
+        """
+        columns: list[tuple[str, str, int | str, str | None]] = []
+        if self.cfg.backend == "host":
+            columns.append((_gs_label(HOST_BACKEND), HOST_BACKEND, "cpu", None))
+        for name in self.cfg.backends:
+            columns.append((_gs_label(name), name, self.device or 0, self.gpu_reason))
+        return columns
+
+    def rows(self) -> list[str]:
+        """The consumer-count rows of the fan-out scenarios."""
+        return [str(n) for n in self.cfg.consumers]
+
+    # -- plan ----------------------------------------------------------------------
+    def plan(self) -> None:
+        """Every registered scenario adds itself and its tasks, in the registry's order."""
+        for module in scenario_modules():
+            module.plan(self)
+
+    def add(self, scenario: Scenario) -> bool:
+        """Add ``scenario`` to the report unless ``--only`` leaves it out; True when added."""
+        if self.cfg.only is not None and scenario.key not in self.cfg.only:
+            return False
+        self.scenarios[scenario.key] = scenario
+        return True
+
+    def task(
+        self, scenario: str, system: str | None, row: str, run: Callable[[], Samples] | None, skip: str | None
+    ) -> None:
+        """One cell to run (``run``) or to list as skipped (``skip``); ``system`` None fills a whole row."""
+        if system is not None:
+            self.scenarios[scenario].systems.setdefault(system, Series())
+        self.tasks.append(Task(scenario, system, row, run, skip))
+
+    # -- run -----------------------------------------------------------------------
+    def run(self) -> None:
+        total = len(self.tasks)
+        width = len(str(total))
+        with self.stack:
+            for index, t in enumerate(self.tasks, 1):
+                scenario = self.scenarios[t.scenario]
+                series = None if t.system is None else scenario.systems[t.system]
+                head = f"[{index:>{width}}/{total}] {t.scenario} | {t.system or 'all'} | {t.row}"
+                if t.skip is not None or t.run is None:
+                    reason = t.skip or "not run"
+                    if series is not None:
+                        series.skipped = reason
+                    else:
+                        scenario.row_skips[t.row] = reason
+                    _progress(f"{head}: skipped ({reason})")
+                    continue
+                if series is not None and series.skipped is not None:
+                    # An earlier row found this column's backend unavailable.
+                    _progress(f"{head}: skipped ({series.skipped})")
+                    continue
+                started = time.monotonic()
+                try:
+                    samples = t.run()
+                except Exception as exc:
+                    message = f"{type(exc).__name__}: {exc}"
+                    unavailable = _unavailable(exc)
+                    if series is None:
+                        (scenario.row_skips if unavailable else scenario.row_errors)[t.row] = message
+                    elif unavailable and not series.cells and not series.errors:
+                        series.skipped = message  # the whole column: its backend cannot run here
+                    else:
+                        series.errors[t.row] = message
+                    _progress(f"{head}: skipped ({message})" if unavailable else f"{head}: ERROR {message}")
+                    continue
+                try:
+                    summary = _record(scenario, series, t.row, samples, time.monotonic() - started)
+                except Exception as exc:  # malformed samples: that cell's error, not the run's
+                    message = f"could not record the samples: {type(exc).__name__}: {exc}"
+                    (scenario.row_errors if series is None else series.errors)[t.row] = message
+                    _progress(f"{head}: ERROR {message}")
+                    continue
+                _progress(f"{head}: {summary}")
+
+
+def _record(scenario: Scenario, series: Series | None, row: str, samples: Samples, took: float) -> str:
+    """Store one cell's samples (or one row's, per system); return the progress line."""
+    if isinstance(samples, dict):
+        parts = []
+        for system, values in samples.items():
+            cell = Cell.of(values)
+            scenario.systems.setdefault(system, Series()).cells[row] = cell
+            parts.append(f"{system} {_fmt_gbps(_gbps(scenario, cell))} GB/s")
+        return f"{'; '.join(parts)} ({took:.1f} s)"
+    if series is None:
+        raise BenchError("a task that fills several systems must return samples per system")
+    cell = Cell.of(samples)
+    series.cells[row] = cell
+    if scenario.kind == "rate":
+        return (
+            f"{_fmt_rate(_rate(cell))} items/s ({cell.median_us:.1f} us per item; median of {cell.n} repeats, "
+            f"{took:.1f} s)"
+        )
+    return f"median {cell.median_us:.1f} us, p90 {cell.p90_us:.1f} us ({cell.n} iters, {took:.1f} s)"
+
+
+def _nvidia_driver() -> str | None:
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        out = subprocess.run(
+            [exe, "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
+        ).stdout
+    except Exception:
+        return None
+    lines = [line.strip() for line in out.splitlines() if line.strip()]
+    return lines[0] if lines else None

@@ -1,0 +1,109 @@
+"""``ring``: fan-out through a ring of pre-shared slots, one column per backend, to the Pipe floor."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any
+
+from ..consumers import _ring_consumer
+from ..harness import _await_ready, _check_ack, _pipes_poll, _recv_pipe, _stop, _time_loop
+from ..results import Scenario, _bind
+from ..settings import (
+    ACK_TIMEOUT,
+    FLOOR_SCENARIO,
+    HANDOFF_SHAPE,
+    PIPE_FLOOR_SYSTEM,
+    RING_SLOTS,
+    RING_TARGETS,
+    _gpushare,
+)
+
+if TYPE_CHECKING:
+    from ..runner import Bench
+
+
+KEYS = ("ring",)
+
+HOW = (
+    f"`ring` is the same fan-out through a ring of pre-shared slots (`manager.ring(..., slots={RING_SLOTS}, "
+    "consumers=N, backend=name)`, 1 MiB float32 slots, one column per backend), made once per cell and "
+    "passed to each consumer as its Process argument (each unpickling registers one consumer). One iteration: "
+    "`buf = ring.acquire()`, `ring.publish(buf)`, then one ack from every consumer on its own "
+    "`multiprocessing.Pipe`, exactly like the Pipe floor's; each consumer `ring.get()`s the item, reads "
+    "`item.ptr`, releases it and acks. Its ratios are therefore to the **Pipe** floor (first table), and "
+    "each row shows its target (1 consumer <= 1.5x the Pipe floor, 4 consumers <= 80 us, 8 consumers <= "
+    "150 us) and whether each backend met it."
+)
+
+
+def plan(bench: Bench) -> None:
+    if not bench.add(
+        Scenario(
+            "ring",
+            f"Ring fan-out: a {RING_SLOTS}-slot ring of 1 MiB buffers to N consumers, wait for every ack",
+            "consumers",
+            bench.rows(),
+            floor=(FLOOR_SCENARIO, PIPE_FLOOR_SYSTEM),
+            targets={row: target for row, target in RING_TARGETS.items() if row in bench.rows()},
+        )
+    ):
+        return
+    bench.scenarios["ring"].notes.append(
+        f"gpushare columns: one per backend (`manager.ring(..., backend=name)`, {RING_SLOTS} slots, "
+        "made once per cell). One iteration: `ring.acquire()`, `ring.publish()`, then one ack from "
+        "every consumer on its own `multiprocessing.Pipe` (each consumer `ring.get()`, `item.ptr`, "
+        "`item.release()`, then acks), so the floor is the Pipe floor: the same acks, with the "
+        "small tuple sent down each Pipe instead of the ring's publish."
+    )
+    for n in bench.cfg.consumers:
+        for label, backend, device, skip in bench.gs_columns():
+            bench.task("ring", label, str(n), _bind(ring_fanout, bench, n, backend, device), skip)
+
+
+def ring_fanout(bench: Bench, n: int, backend: str, device: int | str) -> list[int]:
+    """One iteration: acquire a slot, publish it to N consumers, wait for N acks (one Pipe each)."""
+    import multiprocessing
+
+    gpushare = _gpushare()
+    m = bench.manager()
+    cfg = bench.cfg
+    # BackendUnavailableError here, before any consumer starts.
+    ring = m.ring(HANDOFF_SHAPE, "float32", device=device, slots=RING_SLOTS, consumers=n, backend=backend)
+    pairs: list[tuple[Any, Any]] = []
+    procs: list[Any] = []
+    try:
+        ctx = gpushare.get_context("spawn")
+        pairs = [multiprocessing.get_context("spawn").Pipe() for _ in range(n)]
+        mine = [a for a, _ in pairs]
+        procs = [ctx.Process(target=_ring_consumer, args=(ring, b, None), daemon=True, device=device) for _, b in pairs]
+
+        def send_stop() -> None:
+            with contextlib.suppress(Exception):
+                ring.close()  # each consumer's get() raises RingClosedError
+            for conn in mine:
+                with contextlib.suppress(Exception):
+                    conn.send(None)
+
+        try:
+            for p in procs:
+                p.start()  # unpickling the ring in the child registers one consumer
+            for _, b in pairs:
+                b.close()  # the children hold their ends now
+            _await_ready(_pipes_poll(mine), procs, n)
+
+            def step(i: int) -> None:
+                buf = ring.acquire(timeout=ACK_TIMEOUT)
+                ring.publish(buf, timeout=ACK_TIMEOUT)
+                for conn in mine:
+                    _check_ack(_recv_pipe(conn, procs))
+
+            return _time_loop(step, cfg.warmup, cfg.iters)
+        finally:
+            _stop(procs, send_stop)
+    finally:
+        with contextlib.suppress(Exception):
+            ring.close()
+        for a, b in pairs:
+            for conn in (a, b):
+                with contextlib.suppress(Exception):
+                    conn.close()
