@@ -158,13 +158,15 @@ class _Collate:
 
 
 class _WorkerInit:
-    """Seeds torch and random per worker, sets get_worker_info(), then runs worker_init_fn."""
+    """One torch thread per worker, seeds torch and random per worker, sets get_worker_info(),
+    then runs worker_init_fn (as torch's own worker loop does)."""
 
     def __init__(self, base_seed: int, num_workers: int, worker_init_fn: Any) -> None:
         self.base_seed, self.num_workers, self.worker_init_fn = base_seed, num_workers, worker_init_fn
 
     def __call__(self, worker: int) -> None:
         seed = self.base_seed + worker
+        torch.set_num_threads(1)  # as torch's own workers: N workers must not each take every core
         torch.manual_seed(seed)
         random.seed(seed)
         try:
