@@ -295,3 +295,13 @@ def test_bad_arguments_say_what_to_do(server: mp.BufferManager) -> None:
     with pytest.raises(ValueError, match="owner='server'"):
         with mp.Manager() as own:
             mp.SlotLoader(Squares(), device="cpu", manager=own)
+
+
+def test_gpushare_torch_without_torch_says_what_to_do() -> None:
+    code = (
+        "import sys\nsys.modules['torch'] = None  # as if torch were not installed\n"
+        "try:\n    import gpushare.torch\nexcept ImportError as e:\n    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=subprocess_env())
+    assert out.returncode == 0, out.stderr
+    assert "gpushare.torch needs PyTorch" in out.stdout and "gpushare.SlotLoader" in out.stdout
