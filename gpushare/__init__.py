@@ -33,9 +33,10 @@ from ._errors import (
     RingClosedError,
     StartMethodError,
 )
-from ._loader import SlotArray, SlotLoader, SlotWriter
+from ._loader import SlotLoader
 from ._manager import GRANULARITY, BufferManager
 from ._ring import Ring
+from ._slots import SlotArray, SlotWriter
 
 __version__ = "0.1.0"
 

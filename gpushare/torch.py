@@ -43,7 +43,8 @@ except ImportError as exc:  # pragma: no cover - exercised where torch is missin
 import numpy as np
 
 from . import _loader
-from ._loader import SlotArray, SlotLoader, SlotWriter
+from ._loader import SlotLoader
+from ._slots import SlotArray, SlotWriter
 
 __all__ = ["DataLoader"]
 

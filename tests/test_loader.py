@@ -305,3 +305,26 @@ def test_gpushare_torch_without_torch_says_what_to_do() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=subprocess_env())
     assert out.returncode == 0, out.stderr
     assert "gpushare.torch needs PyTorch" in out.stdout and "gpushare.SlotLoader" in out.stdout
+
+
+def test_worker_exceptions_come_back_as_their_type_or_a_loader_error() -> None:
+    from gpushare._slots import exception_payload, rebuild_exception
+
+    class LocalError(Exception):  # not picklable by reference
+        pass
+
+    for raised, expected in (
+        (KeyError("name"), KeyError),
+        (ValueError("bad"), ValueError),
+        (LocalError("x"), mp.LoaderError),
+    ):
+        try:
+            raise raised
+        except Exception as exc:
+            again = rebuild_exception(exception_payload(exc, 2, 7))
+        assert type(again) is expected
+        text = str(again)
+        assert text.startswith(
+            f"Caught {type(raised).__name__} in loader worker 2 (pid {os.getpid()}) building batch 7"
+        )
+        assert "Original traceback in the worker" in text and "raise raised" in text
