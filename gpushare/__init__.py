@@ -25,6 +25,7 @@ from ._errors import (
     GpushareError,
     LeakWarning,
     LeaseExpiredWarning,
+    LoaderError,
     ManagerClosedError,
     NoDeviceError,
     OutOfMemoryError,
@@ -32,8 +33,10 @@ from ._errors import (
     RingClosedError,
     StartMethodError,
 )
+from ._loader import SlotLoader
 from ._manager import GRANULARITY, BufferManager
 from ._ring import Ring
+from ._slots import SlotArray, SlotWriter
 from ._version import __version__ as __version__
 
 
@@ -62,12 +65,16 @@ __all__ = [
     "GpushareError",
     "LeakWarning",
     "LeaseExpiredWarning",
+    "LoaderError",
     "ManagerClosedError",
     "NoDeviceError",
     "OutOfMemoryError",
     "OwnerGoneError",
     "Ring",
     "RingClosedError",
+    "SlotArray",
+    "SlotLoader",
+    "SlotWriter",
     "StartMethodError",
 ]
 

@@ -19,6 +19,10 @@ Every exception raised on purpose by gpushare derives from
   producer (a consumer's ``get()`` after the last item), or by you (the
   producer's ``acquire()``/``publish()`` after ``close()``). A producer
   that *died* shows as :class:`OwnerGoneError` instead.
+* :class:`LoaderError` -- a :class:`~gpushare.SlotLoader` cannot go on:
+  a worker could not start, a batch does not fit its slot, or this
+  process holds every slot of the worker whose batch comes next. (A
+  worker that *died* shows as :class:`OwnerGoneError`.)
 * :class:`DescriptorError` -- a descriptor is corrupt, truncated, from an
   incompatible version, or names a lease the owner does not know.
 * :class:`StartMethodError` -- a start method that cannot work with CUDA.
@@ -38,6 +42,7 @@ __all__ = [
     "GpushareError",
     "LeakWarning",
     "LeaseExpiredWarning",
+    "LoaderError",
     "ManagerClosedError",
     "NoDeviceError",
     "OutOfMemoryError",
@@ -98,6 +103,10 @@ class OwnerGoneError(GpushareError, ConnectionError):
 
 class RingClosedError(GpushareError, EOFError):
     """The ring was closed: no more items will come (consumer), or none may be published (producer)."""
+
+
+class LoaderError(GpushareError, RuntimeError):
+    """A SlotLoader cannot go on (a worker failed to start, a batch too large for its slot, every slot held)."""
 
 
 class DescriptorError(GpushareError, ValueError):

@@ -9,7 +9,7 @@ import sys
 import pytest
 from conftest import ROOT, subprocess_env
 
-EXAMPLES = ["fanout.py", "producer_consumer.py", "pool_map.py", "ring_pipeline.py"]
+EXAMPLES = ["fanout.py", "producer_consumer.py", "pool_map.py", "ring_pipeline.py", "dataloader_gpu.py"]
 
 
 @pytest.mark.parametrize("name", EXAMPLES)
@@ -27,6 +27,8 @@ def test_example_runs_on_host_backend(name: str) -> None:
         assert "backend: host" in out.stdout
         assert out.stdout.count("[ok]") == 4
         assert "leases outstanding after the workers exited: 0" in out.stdout
+    if name == "dataloader_gpu.py":
+        assert out.stdout.count("[ok]") >= 2, out.stdout
 
 
 @pytest.mark.gpu
@@ -56,3 +58,18 @@ def test_ray_pipeline_example_runs_on_host_backend() -> None:
     assert out.stdout.count("returned as Buffer, same memory: True [ok]") == 2
     assert out.stdout.count("received as ['Buffer']") == 2
     assert "LeakWarning" not in out.stderr and "leaked" not in out.stderr
+
+
+@pytest.mark.gpu
+def test_dataloader_example_runs_on_gpu() -> None:
+    pytest.importorskip("torch")
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", "dataloader_gpu.py")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=subprocess_env(),
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "slots on cuda:0" in out.stdout
+    assert "on cuda:0" in out.stdout and out.stdout.count("[ok]") == 3

@@ -21,6 +21,7 @@ MODULES = (
     "peer_read",
     "kernel_read",
     "host",
+    "dataloader",
 )
 
 

@@ -1,0 +1,330 @@
+"""SlotLoader: batches built by worker processes into pre-shared slots (host backend, real processes).
+
+Every loader here has a ``timeout`` so a lost batch fails instead of
+hanging; workers are joined (and terminated past a bound) when an epoch
+ends, and the tests check that they are gone.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections import namedtuple
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from conftest import ROOT, subprocess_env, wait_until
+
+import gpushare as mp
+from gpushare import _service
+
+# -- datasets (module level: spawn pickles them by reference) --------------------------------
+
+
+class Squares:
+    """Sample i: a (3, 4) float32 array full of i, the int i, and the string "s{i}"."""
+
+    def __init__(self, n: int = 40, raise_at: int | None = None, kill_at: int | None = None) -> None:
+        self.n, self.raise_at, self.kill_at = n, raise_at, kill_at
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, int, str]:
+        if i == self.raise_at:
+            raise ValueError(f"sample {i} is broken")
+        if i == self.kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return np.full((3, 4), i, np.float32), i, f"s{i}"
+
+
+class Sized:
+    """Sample i: ``size[i]`` bytes (uint8), to test slots that are too small."""
+
+    def __init__(self, sizes: list[int]) -> None:
+        self.sizes = sizes
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return np.full(self.sizes[i], i % 251, np.uint8)
+
+
+class WhoAmI:
+    """Sample i: the id of the worker that built it (set by ``tag_worker``)."""
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, i: int) -> int:
+        return int(os.environ["LOADER_TEST_WORKER"])
+
+
+def tag_worker(worker: int) -> None:
+    os.environ["LOADER_TEST_WORKER"] = str(worker)
+
+
+Pair = namedtuple("Pair", ["image", "label"])
+
+
+def pair_collate(samples: list[tuple[np.ndarray, int, str]], writer: mp.SlotWriter) -> Pair:
+    """A collate that writes into the slot itself: images doubled, labels as int64."""
+    images = writer.empty((len(samples), 3, 4), "float32")
+    view = images.numpy()
+    for row, (image, _, _) in enumerate(samples):
+        view[row] = image * 2
+    return Pair(images, np.array([label for _, label, _ in samples], np.int64))
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[mp.BufferManager]:
+    with mp.Manager(owner="server", release_timeout=2.0) as m:
+        yield m
+
+
+def loader(dataset: object, manager: mp.BufferManager, **options: object) -> mp.SlotLoader:
+    options.setdefault("batch_size", 4)
+    options.setdefault("num_workers", 2)
+    options.setdefault("slots", 2)
+    return mp.SlotLoader(dataset, device="cpu", timeout=60, manager=manager, **options)  # type: ignore[arg-type]
+
+
+def all_gone(pids: list[int]) -> bool:
+    return not any(_service.process_alive(pid, sentinel=False) for pid in pids)
+
+
+def no_leases(manager: mp.BufferManager) -> bool:
+    gc.collect()
+    return manager.stats()["leases"] == 0
+
+
+# -- order, zero copy, bounded memory ------------------------------------------------------
+
+
+def test_batches_come_in_order_as_views_of_a_bounded_set_of_slots(server: mp.BufferManager) -> None:
+    data = loader(Squares(200), server, num_workers=3, slots=2)
+    assert len(data) == 50
+    epoch = iter(data)
+    pids = epoch.worker_pids  # type: ignore[attr-defined]
+    addresses = set()
+    allocated = []
+    labels_seen: list[int] = []
+    for step, (images, labels, names) in enumerate(epoch):
+        assert isinstance(images, mp.SlotArray) and images.shape == (4, 3, 4) and images.dtype == np.float32
+        values = images.numpy()
+        expected = list(range(4 * step, 4 * step + 4))
+        assert labels.numpy().tolist() == expected
+        assert (values == np.array(expected, np.float32)[:, None, None]).all()
+        assert names == [f"s{i}" for i in expected]
+        labels_seen += expected
+        addresses.add(images.ptr)
+        if step % 10 == 9:
+            allocated.append(server.stats()["bytes_allocated"])
+    assert labels_seen == list(range(200))
+    # Every batch is a view of one of the 3 x 2 slots: nothing new is allocated per batch.
+    assert len(addresses) <= 6
+    assert allocated[-1] == allocated[1]
+    del images, labels, values, epoch
+    wait_until(lambda: all_gone(pids), timeout=15)
+    wait_until(lambda: no_leases(server), timeout=10)
+
+
+def test_collate_writes_into_the_slot_and_structures_come_back(server: mp.BufferManager) -> None:
+    data = loader(Squares(12), server, collate=pair_collate, slot_bytes=4096)
+    batches = [(b.image.numpy().copy(), b.label.numpy().copy(), type(b).__name__) for b in data]
+    assert [name for _, _, name in batches] == ["Pair"] * 3
+    for step, (image, label, _) in enumerate(batches):
+        assert label.dtype == np.int64 and label.tolist() == list(range(4 * step, 4 * step + 4))
+        assert (image[:, 0, 0] == 2 * label).all()
+
+
+def test_workers_take_batches_round_robin_and_run_worker_init(server: mp.BufferManager) -> None:
+    data = loader(WhoAmI(), server, num_workers=3, worker_init=tag_worker)
+    workers = [batch.numpy().tolist() for batch in data]
+    assert workers == [[step % 3] * 4 for step in range(6)]
+
+
+def test_shuffle_visits_every_index_once_and_drop_last_drops_the_tail(server: mp.BufferManager) -> None:
+    data = loader(Squares(30), server, shuffle=True, seed=7, drop_last=True)
+    assert len(data) == 7
+    seen = [int(v) for _, labels, _ in data for v in labels.numpy()]
+    assert len(seen) == 28 and len(set(seen)) == 28 and seen != sorted(seen)
+
+
+def test_a_slot_comes_back_when_the_batch_is_dropped(server: mp.BufferManager) -> None:
+    data = loader(Squares(40), server, num_workers=1, slots=2)
+    epoch = iter(data)
+    kept = [next(epoch), next(epoch)]  # both slots of the only worker
+    with pytest.raises(mp.LoaderError, match="holds all 2 slots of loader worker 0"):
+        next(epoch)
+    first = kept[0][1].numpy().tolist()
+    assert first == [0, 1, 2, 3]
+    kept.clear()  # dropping the batches gives the slots back
+    with pytest.raises(StopIteration):  # the error ended that epoch
+        next(epoch)
+    epoch = iter(data)
+    kept = [next(epoch), next(epoch)]
+    kept.pop(0)
+    assert next(epoch)[1].numpy().tolist() == [8, 9, 10, 11]
+
+
+def test_arrays_keep_their_slot_after_the_epoch_ends(server: mp.BufferManager) -> None:
+    data = loader(Squares(40), server)
+    epoch = iter(data)
+    pids = epoch.worker_pids  # type: ignore[attr-defined]
+    images, labels, _ = next(epoch)
+    as_numpy = images.numpy()
+    del images
+    epoch.close()  # type: ignore[attr-defined]
+    wait_until(lambda: all_gone(pids), timeout=15)
+    assert labels.numpy().tolist() == [0, 1, 2, 3]
+    assert (as_numpy[:, 0, 0] == [0, 1, 2, 3]).all()
+    assert server.stats()["leases"] > 0
+    del labels, as_numpy
+    wait_until(lambda: no_leases(server), timeout=10)
+
+
+# -- errors -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("raise_at", [1, 9], ids=["first-batch", "later-batch"])
+def test_a_dataset_exception_reaches_the_trainer_in_order(server: mp.BufferManager, raise_at: int) -> None:
+    data = loader(Squares(24, raise_at=raise_at), server)
+    epoch = iter(data)
+    failing = raise_at // 4
+    got = [next(epoch)[1].numpy().tolist() for _ in range(failing)]
+    assert got == [list(range(4 * s, 4 * s + 4)) for s in range(failing)]
+    with pytest.raises(ValueError, match=f"(?s)Caught ValueError in loader worker {failing % 2} .*batch {failing}.*"
+                       f"sample {raise_at} is broken"):  # fmt: skip
+        next(epoch)
+    rest = [labels.numpy().tolist() for _, labels, _ in epoch]  # the epoch goes on after the error
+    assert rest == [list(range(4 * s, 4 * s + 4)) for s in range(failing + 1, 6)]
+
+
+def test_a_batch_larger_than_its_slot_is_a_clear_error(server: mp.BufferManager) -> None:
+    data = loader(Sized([100] * 4 + [5000] * 4), server, num_workers=1, slot_bytes=4096)
+    epoch = iter(data)
+    assert next(epoch).shape == (4, 100)
+    with pytest.raises(mp.LoaderError, match="slot_bytes="):
+        next(epoch)
+
+
+def test_a_killed_worker_is_an_error_and_pins_nothing(server: mp.BufferManager) -> None:
+    data = loader(Squares(40, kill_at=13), server, num_workers=2, slots=2)
+    epoch = iter(data)
+    pids = epoch.worker_pids  # type: ignore[attr-defined]
+    kept = [next(epoch) for _ in range(3)]
+    with pytest.raises(mp.OwnerGoneError, match=r"loader worker 1 \(pid \d+\) exited unexpectedly \(exit code -9\)"):
+        for _ in range(10):
+            kept.append(next(epoch))
+    wait_until(lambda: all_gone(pids), timeout=15)  # the other worker is stopped too
+    assert [labels.numpy().tolist()[0] for _, labels, _ in kept] == [0, 4, 8]  # still readable
+    del kept
+    wait_until(lambda: no_leases(server), timeout=10)
+
+
+def test_breaking_out_of_the_loop_stops_the_workers(server: mp.BufferManager) -> None:
+    data = loader(Squares(400), server, num_workers=2, slots=3)
+    epoch = iter(data)
+    pids = epoch.worker_pids  # type: ignore[attr-defined]
+    for step, _ in enumerate(epoch):
+        if step == 2:
+            break
+    del epoch, _
+    wait_until(lambda: all_gone(pids), timeout=15)
+    wait_until(lambda: no_leases(server), timeout=10)
+
+
+TRAINER = textwrap.dedent(
+    """
+    import numpy as np, sys, time
+    import gpushare as mp
+    sys.path.insert(0, {tests!r})
+    from test_loader import Squares
+
+    if __name__ == "__main__":
+        data = mp.SlotLoader(Squares(10000), batch_size=4, num_workers=2, slots=2, device="cpu", timeout=60)
+        epoch = iter(data)
+        batch = next(epoch)
+        print("pids", *epoch.worker_pids, data.manager._process.pid, flush=True)
+        time.sleep(120)
+    """
+)
+
+
+def test_a_killed_trainer_leaves_no_process_behind() -> None:
+    script = TRAINER.format(tests=os.path.join(ROOT, "tests"))
+    with subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        env=subprocess_env(),
+    ) as trainer:  # fmt: skip
+        try:
+            assert trainer.stdout is not None
+            line = trainer.stdout.readline()
+            assert line.startswith("pids"), line
+            pids = [int(p) for p in line.split()[1:]]
+            assert len(pids) == 3
+            time.sleep(0.5)  # the workers are now blocked on full rings
+            trainer.kill()
+            trainer.wait(10)
+            wait_until(lambda: all_gone(pids), timeout=20)  # workers and the Manager's server
+        finally:
+            trainer.kill()
+            trainer.wait(10)
+
+
+# -- bad input ----------------------------------------------------------------------------
+
+
+def test_bad_arguments_say_what_to_do(server: mp.BufferManager) -> None:
+    with pytest.raises(ValueError, match="num_workers=0 must be an int >= 1"):
+        mp.SlotLoader(Squares(), num_workers=0, device="cpu")
+    with pytest.raises(ValueError, match="slots=0"):
+        mp.SlotLoader(Squares(), slots=0, device="cpu")
+    with pytest.raises(ValueError, match="batch_size"):
+        mp.SlotLoader(Squares(), batch_size=-1, device="cpu")
+    with pytest.raises(TypeError, match="map-style dataset"):
+        mp.SlotLoader(iter(range(3)), device="cpu")
+    with pytest.raises(ValueError, match="owner='server'"):
+        with mp.Manager() as own:
+            mp.SlotLoader(Squares(), device="cpu", manager=own)
+
+
+def test_gpushare_torch_without_torch_says_what_to_do() -> None:
+    code = (
+        "import sys\nsys.modules['torch'] = None  # as if torch were not installed\n"
+        "try:\n    import gpushare.torch\nexcept ImportError as e:\n    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=subprocess_env())
+    assert out.returncode == 0, out.stderr
+    assert "gpushare.torch needs PyTorch" in out.stdout and "gpushare.SlotLoader" in out.stdout
+
+
+def test_worker_exceptions_come_back_as_their_type_or_a_loader_error() -> None:
+    from gpushare._slots import exception_payload, rebuild_exception
+
+    class LocalError(Exception):  # not picklable by reference
+        pass
+
+    for raised, expected in (
+        (KeyError("name"), KeyError),
+        (ValueError("bad"), ValueError),
+        (LocalError("x"), mp.LoaderError),
+    ):
+        try:
+            raise raised
+        except Exception as exc:
+            again = rebuild_exception(exception_payload(exc, 2, 7))
+        assert type(again) is expected
+        text = str(again)
+        assert text.startswith(
+            f"Caught {type(raised).__name__} in loader worker 2 (pid {os.getpid()}) building batch 7"
+        )
+        assert "Original traceback in the worker" in text and "raise raised" in text

@@ -1,0 +1,236 @@
+"""gpushare.torch.DataLoader, and torch's own DataLoader with gpushare's workers.
+
+Skipped where torch is not installed. The unmarked tests run on the host
+backend (CPU tensors viewing shared memory) wherever torch is; the
+``gpu`` ones need CUDA.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import pytest
+from conftest import wait_until
+
+torch = pytest.importorskip("torch")
+
+import gpushare as mp  # noqa: E402
+from gpushare import _service  # noqa: E402
+from gpushare.torch import DataLoader  # noqa: E402
+
+# -- datasets (module level: spawn pickles them by reference) --------------------------------
+
+
+class Ramp(torch.utils.data.Dataset):  # type: ignore[misc]
+    """Sample i: a float32 tensor of ``width`` values all i (made on ``device``), the int i, a name."""
+
+    def __init__(self, n: int = 64, width: int = 8, device: str = "cpu", kill_at: int | None = None) -> None:
+        self.n, self.width, self.device, self.kill_at = n, width, device, kill_at
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int, str]:
+        if i == self.kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return torch.full((self.width,), float(i), device=self.device), i, f"n{i}"
+
+
+class Mixed(torch.utils.data.Dataset):  # type: ignore[misc]
+    """Dicts of a bfloat16 tensor, a float, a bool, and the id of the worker that built it."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> dict[str, object]:
+        info = torch.utils.data.get_worker_info()
+        return {
+            "half": torch.full((2, 2), i / 2, dtype=torch.bfloat16),
+            "x": float(i),
+            "odd": bool(i % 2),
+            "worker": info.id if info is not None else -1,
+        }
+
+
+def sum_collate(samples: list[tuple[torch.Tensor, int, str]]) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.stack([s[0] for s in samples]).sum(dim=1), torch.tensor([s[1] for s in samples])
+
+
+def all_gone(pids: list[int]) -> bool:
+    return not any(_service.process_alive(pid, sentinel=False) for pid in pids)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[mp.BufferManager]:
+    with mp.Manager(owner="server", release_timeout=2.0) as m:
+        yield m
+
+
+def no_leases(manager: mp.BufferManager) -> bool:
+    gc.collect()
+    return manager.stats()["leases"] == 0
+
+
+# -- host backend (wherever torch is) --------------------------------------------------------
+
+
+def test_batches_are_cpu_tensors_viewing_the_slots(server: mp.BufferManager) -> None:
+    loader = DataLoader(Ramp(64), batch_size=4, num_workers=2, slots=2, device="cpu", timeout=60, manager=server)
+    pointers = set()
+    for step, (values, labels, names) in enumerate(loader):
+        assert values.shape == (4, 8) and values.dtype == torch.float32 and values.device.type == "cpu"
+        assert labels.dtype == torch.int64 and labels.tolist() == list(range(4 * step, 4 * step + 4))
+        assert torch.equal(values[:, 0], labels.float()) and names == [f"n{i}" for i in labels.tolist()]
+        pointers.add(values.data_ptr())
+    assert step == 15
+    assert len(pointers) <= 4  # 2 workers x 2 slots, reused
+    del values, labels
+    wait_until(lambda: no_leases(server), timeout=10)
+
+
+def test_dicts_numbers_bfloat16_and_worker_info(server: mp.BufferManager) -> None:
+    loader = DataLoader(Mixed(), batch_size=4, num_workers=2, device="cpu", timeout=60, manager=server)
+    batches = list(loader)
+    assert len(batches) == 4
+    for step, batch in enumerate(batches):
+        assert batch["half"].dtype == torch.bfloat16
+        assert batch["half"][:, 0, 0].tolist() == [i / 2 for i in range(4 * step, 4 * step + 4)]
+        assert batch["x"].dtype == torch.float64 and batch["odd"].dtype == torch.bool
+        assert batch["worker"].tolist() == [step % 2] * 4
+
+
+def test_a_collate_fn_result_is_copied_into_the_slot(server: mp.BufferManager) -> None:
+    loader = DataLoader(
+        Ramp(12, width=3), batch_size=4, num_workers=1, collate_fn=sum_collate, device="cpu", timeout=60,
+        manager=server,
+    )  # fmt: skip
+    sums = [(s.tolist(), labels.tolist()) for s, labels in loader]
+    assert sums == [([3.0 * i for i in range(b, b + 4)], list(range(b, b + 4))) for b in (0, 4, 8)]
+
+
+def test_shuffle_with_a_generator_is_reproducible(server: mp.BufferManager) -> None:
+    def order(seed: int) -> list[int]:
+        loader = DataLoader(
+            Ramp(20), batch_size=5, shuffle=True, generator=torch.Generator().manual_seed(seed), num_workers=2,
+            device="cpu", timeout=60, manager=server,
+        )  # fmt: skip
+        return [int(v) for _, labels, _ in loader for v in labels]
+
+    first = order(3)
+    assert sorted(first) == list(range(20)) and first != list(range(20))
+    assert order(3) == first
+
+
+def test_torch_options_it_cannot_honour_are_refused() -> None:
+    with pytest.raises(ValueError, match="unbatched"):
+        DataLoader(Ramp(), batch_size=None, device="cpu")
+    with pytest.raises(ValueError, match="mutually exclusive"):
+        DataLoader(Ramp(), batch_sampler=[[0, 1]], batch_size=4, device="cpu")
+    with pytest.raises(ValueError, match="num_workers=0"):
+        DataLoader(Ramp(), num_workers=0, device="cpu")
+
+
+def test_torch_dataloader_runs_with_gpushare_workers() -> None:
+    loader = torch.utils.data.DataLoader(
+        Ramp(32), batch_size=4, num_workers=2, multiprocessing_context=mp.get_context(), timeout=60
+    )
+    labels = [int(v) for _, batch, _ in loader for v in batch]
+    assert labels == list(range(32))
+
+
+# -- CUDA ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_gpu_batches_are_cuda_tensors_written_in_place_by_the_workers(server: mp.BufferManager) -> None:
+    loader = DataLoader(Ramp(96, width=1024, device="cuda"), batch_size=8, num_workers=3, slots=2, device=0,
+                        timeout=60, manager=server)  # fmt: skip
+    pointers = set()
+    for step, (values, labels, _) in enumerate(loader):
+        assert values.is_cuda and values.shape == (8, 1024) and labels.is_cuda
+        expected = torch.arange(8 * step, 8 * step + 8, device="cuda")
+        assert torch.equal(labels, expected)
+        assert torch.equal(values, expected.float()[:, None].expand(8, 1024))
+        pointers.add(values.data_ptr())
+    assert step == 11
+    assert len(pointers) <= 6
+    del values, labels
+    wait_until(lambda: no_leases(server), timeout=10)
+
+
+@pytest.mark.gpu
+def test_torch_dataloader_with_gpushare_workers_returns_cuda_tensors() -> None:
+    loader = torch.utils.data.DataLoader(
+        Ramp(32, device="cuda"), batch_size=4, num_workers=2, multiprocessing_context=mp.get_context(), timeout=60
+    )
+    total = []
+    for values, labels, _ in loader:
+        assert values.is_cuda
+        assert torch.equal(values[:, 0].cpu(), labels.float())
+        total += labels.tolist()
+    assert total == list(range(32))
+
+
+@pytest.mark.gpu
+def test_ten_thousand_batches_keep_device_memory_and_slots_flat(server: mp.BufferManager) -> None:
+    loader = DataLoader(Ramp(40000, width=256, device="cuda"), batch_size=4, num_workers=4, slots=4, device=0,
+                        timeout=60, manager=server)  # fmt: skip
+    epoch = iter(loader)
+    start = time.monotonic()
+    pointers = set()
+    for step, (values, labels, _) in enumerate(epoch):
+        if step % 1000 == 0:  # a host check syncs the device: only now and then
+            assert int(labels[0]) == 4 * step and float(values[3, 0]) == 4 * step + 3
+        pointers.add(values.data_ptr())
+        if step == 500:
+            free_then = torch.cuda.mem_get_info()[0]
+            allocated_then = server.stats()["bytes_allocated"]
+            torch_then = torch.cuda.memory_allocated()
+    assert step == 9999
+    elapsed = time.monotonic() - start
+    free_now = torch.cuda.mem_get_info()[0]
+    assert abs(free_now - free_then) <= 64 << 20, (free_then, free_now)
+    assert server.stats()["bytes_allocated"] == allocated_then
+    assert torch.cuda.memory_allocated() == torch_then
+    assert len(pointers) <= 16  # 4 workers x 4 slots, reused for 10,000 batches
+    assert all(ring.stats()["held"] <= 1 for ring in epoch._rings)  # type: ignore[attr-defined]
+    assert elapsed < 60, f"10,000 batches took {elapsed:.1f} s"
+    del values, labels, epoch
+    wait_until(lambda: no_leases(server), timeout=10)
+
+
+@pytest.mark.gpu
+def test_gpu_worker_killed_keeps_received_batches_and_pins_nothing(server: mp.BufferManager) -> None:
+    loader = DataLoader(Ramp(64, device="cuda", kill_at=13), batch_size=4, num_workers=2, slots=2, device=0,
+                        timeout=60, manager=server)  # fmt: skip
+    epoch = iter(loader)
+    pids = epoch.worker_pids
+    kept = [next(epoch) for _ in range(3)]
+    with pytest.raises(mp.OwnerGoneError, match=r"loader worker 1 \(pid \d+\) exited unexpectedly"):
+        for _ in range(10):
+            kept.append(next(epoch))
+    wait_until(lambda: all_gone(pids), timeout=15)
+    assert [int(labels[0]) for _, labels, _ in kept] == [0, 4, 8]
+    assert float(kept[0][0][:, 0].sum()) == 6.0 and float(kept[2][0][0, 0]) == 8.0
+    del kept
+    wait_until(lambda: no_leases(server), timeout=10)
+
+
+@pytest.mark.gpu
+def test_gpu_trainer_stopping_early_stops_the_workers(server: mp.BufferManager) -> None:
+    loader = DataLoader(Ramp(4000, device="cuda"), batch_size=4, num_workers=4, device=0, timeout=60, manager=server)
+    epoch = iter(loader)
+    pids = epoch.worker_pids
+    first = next(epoch)
+    for step, _ in enumerate(epoch):
+        if step == 5:
+            break
+    del epoch, _
+    wait_until(lambda: all_gone(pids), timeout=15)
+    assert torch.equal(first[1].cpu(), torch.arange(4))  # still valid after the workers left
+    del first
+    wait_until(lambda: no_leases(server), timeout=10)
