@@ -43,3 +43,19 @@ def test_an_unknown_type_is_a_clear_error() -> None:
     )
     assert out.returncode == 2
     assert "unknown type(s) ['threads']; valid: processes, manager" in out.stderr
+
+
+def test_a_suite_that_cannot_load_fails_the_check(tmp_path) -> None:
+    # CPython's suite is there but breaks on import: no test ran, and the check must fail
+    # rather than pass by counting nothing.
+    (tmp_path / "test").mkdir()
+    (tmp_path / "test" / "__init__.py").write_text("")
+    (tmp_path / "test" / "_test_multiprocessing.py").write_text("raise ImportError('broken on purpose')\n")
+    env = subprocess_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
+    out = subprocess.run(
+        [sys.executable, RUNNER, "--types", "manager"], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "broken on purpose" in out.stderr
+    assert out.stdout.splitlines()[-1] == "0 passed, 1 failed, 0 skipped"

@@ -131,6 +131,7 @@ class Run:
     outcomes: dict[str, tuple[str, str]] = field(default_factory=dict)
     seconds: float = 0.0
     timed_out: str | None = None
+    returncode: int | None = None
 
 
 def run_child(target: str, type_: str, ids: list[str] | None, timeout: float) -> Run:
@@ -156,6 +157,7 @@ def run_child(target: str, type_: str, ids: list[str] | None, timeout: float) ->
         proc.wait()
         run.timed_out = f"after {timeout:.0f} s"
     run.seconds = time.monotonic() - began
+    run.returncode = proc.returncode
     last_started = None
     with open(out_path, encoding="utf-8") as f:
         for line in f:
@@ -210,6 +212,9 @@ def check_type(type_: str, intended: dict[str, str], select: str | None, target:
         flush=True,
     )
     verdict = Verdict()
+    if not first.outcomes or (first.returncode != 0 and not first.timed_out):
+        # The runner itself broke (an import error, a crash): that is a failure, never a pass by default.
+        verdict.failed.append((f"{type_} suite", f"the test runner exited with status {first.returncode}; see above"))
     again = stdlib = Run()
     if not_passed:
         again = run_child(target, type_, not_passed, RERUN_TIMEOUT)
