@@ -61,6 +61,13 @@ class _Channel(_LinkState):
                 self.conn.send(message)
         except (OSError, ValueError) as exc:
             self._mark_gone(f"connection lost: {exc}")
+            # An owner that refused this process (the descriptor named another Manager)
+            # says so and closes: a send can fail before the reader thread has read why.
+            reader = getattr(self, "_reader", None)
+            if reader is not None and reader is not threading.current_thread():
+                reader.join(timeout=1.0)
+            if self.refused is not None:
+                raise DescriptorError(self.refused) from exc
             raise OwnerGoneError(f"the owner of this buffer is gone ({self.gone})") from exc
 
     def request(self, kind: str, *args: Any) -> Any:
