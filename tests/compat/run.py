@@ -262,6 +262,11 @@ def main(argv: list[str] | None = None) -> int:
         ids = open(args.ids, encoding="utf-8").read().split() if args.ids else []
         return child(args.child, ids)
 
+    # Bad arguments are an error whatever this interpreter has.
+    types = [t.strip() for t in args.types.split(",") if t.strip()]
+    unknown = [t for t in types if t not in TYPES]
+    if unknown:
+        parser.error(f"unknown type(s) {unknown}; valid: {', '.join(TYPES)}")
     version = f"Python {sys.version.split()[0]} ({sys.executable})"
     try:
         found = importlib.util.find_spec("test._test_multiprocessing") is not None
@@ -273,10 +278,6 @@ def main(argv: list[str] | None = None) -> int:
             "installed; on Debian/Ubuntu it is the libpython3.X-testsuite package). Nothing was checked.",
         )
         return 0
-    types = [t.strip() for t in args.types.split(",") if t.strip()]
-    unknown = [t for t in types if t not in TYPES]
-    if unknown:
-        parser.error(f"unknown type(s) {unknown}; valid: {', '.join(TYPES)}")
     intended = intended_differences()
     print(f"compat: CPython's multiprocessing tests ({version}), spawn, against {args.target}", flush=True)
     began = time.monotonic()
