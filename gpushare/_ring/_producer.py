@@ -325,7 +325,12 @@ class Producer:
         wake, consumer.wake = consumer.wake, -1
         if wake >= 0:
             os.close(wake)
-        # Its release events stay open: a slot it read may still be waited on at acquire().
+        # Its release events go too (under _io, like acquire(), which skips a dead
+        # consumer's): left open, every consumer that came and went would keep its
+        # events, and their driver memory, in this process for the ring's life. A wait
+        # already queued on one completes normally (the driver defers the destroy).
+        events, consumer.events = consumer.events, []
+        _destroy_events(events, self.device)
 
     # -- producer API ---------------------------------------------------------
     def _raise_closed(self) -> NoReturn:
