@@ -658,6 +658,17 @@ def stream_idle(ordinal: int, stream: int = 0) -> bool:
         return True
 
 
+def event_done(event: Any, ordinal: int) -> bool:
+    """Whether the work before ``event``'s last record has finished (``cuEventQuery``;
+    never blocks). An event never recorded counts as done."""
+    with on_device(ordinal) as driver:
+        result = driver.cuEventQuery(event)
+        if result[0] == driver.CUresult.CUDA_ERROR_NOT_READY:
+            return False
+        _check("cuEventQuery", result)
+        return True
+
+
 def stream_wait_event(stream: int, event: Any, ordinal: int) -> None:
     """Make ``stream`` (an int handle; 1 and 2 are the legacy and per-thread default
     streams) wait for ``event`` without blocking the host."""

@@ -294,7 +294,10 @@ class RingConsumer:
             return
         if self._release_events:
             try:
-                _cuda.event_record(self._release_events[slot], self._device)  # type: ignore[arg-type]
+                # Idle default stream: our reads are done and the event's last record is
+                # complete too, so the producer finds it done and does not wait.
+                if not _cuda.stream_idle(self._device):  # type: ignore[arg-type]
+                    _cuda.event_record(self._release_events[slot], self._device)  # type: ignore[arg-type]
             except Exception:  # e.g. at interpreter exit; keep the slot rather than free it under our reads
                 log.exception("gpushare: could not record the release of ring slot %d; keeping it", slot)
                 return

@@ -367,9 +367,11 @@ class Producer:
                 self._drain(remaining)
             if self._cuda:
                 # The producer's writes (default stream) wait for the consumers' reads
-                # of this slot's last publication, without blocking the host.
+                # of this slot's last publication, without blocking the host; a read
+                # already finished needs no wait (a wait on another process's event
+                # ties the two contexts' GPU work together, which costs far more).
                 for c in readers:
-                    if not c.dead and c.events:
+                    if not c.dead and c.events and not _cuda.event_done(c.events[slot], self.device):  # type: ignore[arg-type]
                         _cuda.stream_wait_event(0, c.events[slot], self.device)  # type: ignore[arg-type]
             # Made under _io: close() releases the slot buffers only after taking it.
             return SlotBuffer(self.buffers[slot], owner, slot, None, epoch, None, self.unpublished)
@@ -411,8 +413,14 @@ class Producer:
         self._await_consumers(timeout)
         slot = buf.slot
         if self._cuda:
-            # Consumers wait on this event (per slot), not on the whole device.
-            _cuda.event_record(self._events[slot], self.device, 0 if stream is None else int(stream))  # type: ignore[arg-type]
+            # Consumers wait on this event (per slot), not on the whole device. A stream
+            # with nothing queued has finished every write: the event is left as it is
+            # (its last record is complete, as that stream's work is), so consumers
+            # find it done and wait for nothing, as a Queue's receiver of an event-less
+            # descriptor does.
+            on = 0 if stream is None else int(stream)
+            if not _cuda.stream_idle(self.device, on):  # type: ignore[arg-type]
+                _cuda.event_record(self._events[slot], self.device, on)  # type: ignore[arg-type]
         with self._io:
             with self._lock:
                 if self.closed is not None:
