@@ -322,7 +322,10 @@ def problems(report: dict[str, Any]) -> list[str]:
         found.append("queue items not accounted for")
     if r["expired_leases"] > r["queue_lost_with_dead_holder"]:
         found.append("leases expired that no dead consumer's queue explains")
-    if r.get("device_free_delta_bytes", 0) <= -(2 << 20):
+    # One 2 MiB granule is the driver's own: its context heaps grow by granules, now and
+    # then, with no allocation of ours behind it (seen on H200 with cuda_ipc, not on H100).
+    # A leak of buffers, mappings or events over ~50 kills is far more than one.
+    if r.get("device_free_delta_bytes", 0) < -(2 << 20):
         found.append(f"device memory not given back: {r['device_free_delta_bytes']} bytes")
     if r["queue_in_flight_at_end"]:
         found.append("queue items still in flight after the survivors drained")
