@@ -151,6 +151,20 @@ def _no_inherited_backend(monkeypatch: pytest.MonkeyPatch) -> None:
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def fill_behind_a_running_kernel(torch: object, tensor: object, value: float) -> None:
+    """Queue ``tensor.fill_(value)`` behind a long kernel on the default stream, still
+    running on return: what an ordering test must see its receiver wait for. Sleeps
+    longer each try; fails the test if the GPU outruns every try."""
+    for attempt in range(4):
+        torch.cuda._sleep(3_000_000_000 << attempt)  # type: ignore[attr-defined]
+        tensor.fill_(value)  # type: ignore[attr-defined]
+        if not torch.cuda.current_stream().query():  # type: ignore[attr-defined]
+            return
+        tensor.zero_()  # type: ignore[attr-defined]
+        torch.cuda.synchronize()  # type: ignore[attr-defined]
+    pytest.fail("could not keep a producer kernel running long enough to test anything")
+
+
 def subprocess_env(**extra: str) -> dict[str, str]:
     """The environment for a child Python: gpushare importable from this checkout."""
     env = dict(os.environ)

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import wait_until
+from conftest import fill_behind_a_running_kernel, wait_until
 
 import gpushare as mp
 from gpushare import _backends, _cuda
@@ -548,15 +548,7 @@ def test_consumer_waits_for_a_long_running_producer_kernel(
     assert _recv(out, proc, timeout=120) == ("ready",)
     buf = manager.zeros((1 << 22,), "float32", device=0)
     t = torch.from_dlpack(buf)
-    for attempt in range(4):  # a long kernel on the default stream, still running at put() time
-        torch.cuda._sleep(3_000_000_000 << attempt)
-        t.fill_(7.0)  # queued behind it
-        if not torch.cuda.current_stream().query():
-            break
-        t.zero_()
-        torch.cuda.synchronize()
-    else:
-        pytest.fail("could not keep a producer kernel running long enough to test anything")
+    fill_behind_a_running_kernel(torch, t, 7.0)  # still running at put() time
     q.put(buf)  # no synchronize: the ready event recorded at pickling carries the ordering
     tag, low, high = _recv(out, proc, timeout=60)
     assert tag == "seen"

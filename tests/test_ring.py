@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import wait_until
+from conftest import fill_behind_a_running_kernel, wait_until
 
 import gpushare as mp
 from gpushare import _backends
@@ -534,15 +534,7 @@ def test_ring_consumer_waits_for_a_producer_kernel_still_running_at_publish(mana
         assert _gpu_result(results) == ("ready",)
         buf = ring.acquire(timeout=30)
         t = torch.from_dlpack(buf)
-        for attempt in range(4):  # a long kernel on the default stream, still running at publish()
-            torch.cuda._sleep(3_000_000_000 << attempt)
-            t.fill_(7.0)  # queued behind it
-            if not torch.cuda.current_stream().query():
-                break
-            t.zero_()
-            torch.cuda.synchronize()
-        else:
-            pytest.fail("could not keep a producer kernel running long enough to test anything")
+        fill_behind_a_running_kernel(torch, t, 7.0)  # still running at publish()
         del t
         ring.publish(buf, timeout=30)
         assert _gpu_result(results, 60) == ("seen", 7.0, 7.0), "consumer read before the producer's kernel finished"
