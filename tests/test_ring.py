@@ -20,7 +20,7 @@ from conftest import fill_behind_a_running_kernel, wait_until
 
 import gpushare as mp
 from gpushare import _backends
-from gpushare._ring._channel import ENTRY, INLINE_META, Channel
+from gpushare._ring._channel import ENTRY, INLINE_META, RECORDED, SLOT_RECORDED, Channel
 
 SHAPE = (32, 16)
 
@@ -444,6 +444,29 @@ def test_channel_entries_check_their_index_and_contents() -> None:
         assert not producer.released(1, 41)
         consumer.release(1, 41)
         assert producer.released(1, 41) and not producer.released(1, 45)
+        assert not producer.released(1, 41) & RECORDED
+    finally:
+        consumer.close()
+        producer.close()
+
+
+def test_channel_carries_whether_each_side_recorded_its_event() -> None:
+    """The producer marks an entry whose ready event it recorded, the consumer a release
+    whose release event it recorded; an unmarked side is waited for by nobody."""
+    producer = Channel.create(2)
+    consumer = Channel(os.dup(producer.fd), 2)
+    try:
+        producer.put(0, 1, 7, None, recorded=True)
+        producer.put(1, 1, 8, None)
+        assert consumer.take(0) == (1 | SLOT_RECORDED, 7, None)
+        assert consumer.take(1) == (1, 8, None)
+        consumer.release(1, 7, recorded=True)
+        word = producer.released(1, 7)
+        assert word and word & RECORDED
+        assert not producer.released(1, 8)  # the word names publication 7, flag or not
+        consumer.release(1, 8)
+        word = producer.released(1, 8)
+        assert word and not word & RECORDED
     finally:
         consumer.close()
         producer.close()

@@ -243,6 +243,40 @@ def on_device(ordinal: int) -> Iterator[Any]:
         driver.cuCtxPopCurrent()
 
 
+# The per-handoff calls (event record, query and wait; stream query) go through
+# _enter instead of on_device: most of the time the device's primary context is
+# already current on the calling thread (make_current at worker start-up, torch's or
+# CuPy's own set-up), and then one cuCtxGetCurrent replaces a push, a pop and a
+# generator-based context manager, a few microseconds per call that every handoff paid.
+_primary_ints: dict[int, int] = {}
+_streams: dict[int, Any] = {}
+
+
+def _enter(ordinal: int) -> tuple[Any, bool]:
+    """``(driver, pushed)``: device ``ordinal``'s primary context is current on this
+    thread; ``pushed`` says whether it was pushed here (the caller pops it after)."""
+    driver = _driver if _driver is not None else _load()
+    key = _primary_ints.get(ordinal)
+    if key is None:
+        key = _primary_ints.setdefault(ordinal, int(_primary_context(ordinal)))
+    err, current = driver.cuCtxGetCurrent()
+    if err == driver.CUresult.CUDA_SUCCESS and current is not None and int(current) == key:
+        return driver, False
+    _check("cuCtxPushCurrent", driver.cuCtxPushCurrent(_primary[ordinal]))
+    return driver, True
+
+
+def _stream(driver: Any, stream: int) -> Any:
+    """The driver's handle object for the int stream handle ``stream`` (cached: made per call
+    it cost as much as the query it was for)."""
+    handle = _streams.get(stream)
+    if handle is None:
+        handle = driver.CUstream(stream)
+        if len(_streams) < 64:  # the default streams and a few user streams
+            _streams[stream] = handle
+    return handle
+
+
 def make_current(ordinal: int) -> None:
     """Make device ``ordinal``'s primary context current on this thread (worker start-up)."""
     driver = _load()
@@ -624,8 +658,12 @@ def event_create_ipc(ordinal: int) -> tuple[Any, bytes]:
 
 def event_record(event: Any, ordinal: int, stream: int = 0) -> None:
     """Record ``event`` on ``stream`` (0: the legacy default stream, where torch's default work runs)."""
-    with on_device(ordinal) as driver:
-        _check("cuEventRecord", driver.cuEventRecord(event, driver.CUstream(stream)))
+    driver, pushed = _enter(ordinal)
+    try:
+        _check("cuEventRecord", driver.cuEventRecord(event, _stream(driver, stream)))
+    finally:
+        if pushed:
+            driver.cuCtxPopCurrent()
 
 
 def event_open(handle: bytes, ordinal: int) -> Any:
@@ -643,37 +681,53 @@ def event_destroy(event: Any, ordinal: int) -> None:
 
 def event_synchronize(event: Any, ordinal: int) -> None:
     """Block the calling thread until the work before the event's last record is done."""
-    with on_device(ordinal) as driver:
+    driver, pushed = _enter(ordinal)
+    try:
         _check("cuEventSynchronize", driver.cuEventSynchronize(event))
+    finally:
+        if pushed:
+            driver.cuCtxPopCurrent()
 
 
 def stream_idle(ordinal: int, stream: int = 0) -> bool:
     """Whether every piece of work queued on ``stream`` (0: the legacy default stream)
     has finished (``cuStreamQuery``; about a microsecond, never blocks)."""
-    with on_device(ordinal) as driver:
-        result = driver.cuStreamQuery(driver.CUstream(stream))
-        if result[0] == driver.CUresult.CUDA_ERROR_NOT_READY:
-            return False
-        _check("cuStreamQuery", result)
-        return True
+    driver, pushed = _enter(ordinal)
+    try:
+        result = driver.cuStreamQuery(_stream(driver, stream))
+    finally:
+        if pushed:
+            driver.cuCtxPopCurrent()
+    if result[0] == driver.CUresult.CUDA_ERROR_NOT_READY:
+        return False
+    _check("cuStreamQuery", result)
+    return True
 
 
 def event_done(event: Any, ordinal: int) -> bool:
     """Whether the work before ``event``'s last record has finished (``cuEventQuery``;
     never blocks). An event never recorded counts as done."""
-    with on_device(ordinal) as driver:
+    driver, pushed = _enter(ordinal)
+    try:
         result = driver.cuEventQuery(event)
-        if result[0] == driver.CUresult.CUDA_ERROR_NOT_READY:
-            return False
-        _check("cuEventQuery", result)
-        return True
+    finally:
+        if pushed:
+            driver.cuCtxPopCurrent()
+    if result[0] == driver.CUresult.CUDA_ERROR_NOT_READY:
+        return False
+    _check("cuEventQuery", result)
+    return True
 
 
 def stream_wait_event(stream: int, event: Any, ordinal: int) -> None:
     """Make ``stream`` (an int handle; 1 and 2 are the legacy and per-thread default
     streams) wait for ``event`` without blocking the host."""
-    with on_device(ordinal) as driver:
-        _check("cuStreamWaitEvent", driver.cuStreamWaitEvent(driver.CUstream(stream), event, 0))
+    driver, pushed = _enter(ordinal)
+    try:
+        _check("cuStreamWaitEvent", driver.cuStreamWaitEvent(_stream(driver, stream), event, 0))
+    finally:
+        if pushed:
+            driver.cuCtxPopCurrent()
 
 
 def stream_create(ordinal: int) -> int:

@@ -12,7 +12,9 @@ Layout (little-endian, offsets in bytes; ``n`` = slots)
 ``0 .. 64``        reserved (zero).
 ``64 + 8*s``       *release word* of slot ``s``: ``sequence + 1`` of the
                    last publication of ``s`` this consumer released (0:
-                   none yet). Written only by the consumer.
+                   none yet), plus ``RECORDED`` (bit 63) when the consumer
+                   recorded its release event for it (CUDA: its reads were
+                   still queued). Written only by the consumer.
 ``entries``        ``n`` entries of ``ENTRY`` bytes (64-aligned): entry
                    ``i`` (the ``i``-th item published to this consumer)
                    lives at ``entries + ENTRY * (i % n)``. Written only by
@@ -20,7 +22,11 @@ Layout (little-endian, offsets in bytes; ``n`` = slots)
 
                        u64 stamp | u64 sequence | u32 slot | u32 meta length | meta
 
-                   ``stamp`` is ``((i + 1) mod 2**32) << 32 | crc32(i, body)``
+                   ``slot`` carries ``SLOT_RECORDED`` (bit 31) when the producer
+                   recorded the slot's ready event for this publication
+                   (CUDA: its writes were still queued); without it the
+                   consumer waits for nothing.
+                   ``stamp`` is ``((i + 1) mod 2**32) << 32 | crc32(body, seed i)``
                    (``+ 1``: a zeroed, never written entry matches no index); a
                    meta length of ``META_ON_SOCKET`` means the pickled meta was
                    too long to go inline and follows on the socket instead.
@@ -60,15 +66,28 @@ import os
 import struct
 import zlib
 
-__all__ = ["ENTRY", "INLINE_META", "META_ON_SOCKET", "Channel", "available", "eventfd", "poke", "soak"]
+__all__ = [
+    "ENTRY",
+    "INLINE_META",
+    "META_ON_SOCKET",
+    "RECORDED",
+    "SLOT_RECORDED",
+    "Channel",
+    "available",
+    "eventfd",
+    "poke",
+    "soak",
+]
 
 ENTRY = 256
 _ENTRY_HEAD = struct.Struct("<QQII")  # stamp, sequence, slot, meta length
 _BODY = struct.Struct("<QII")  # sequence, slot, meta length (what the stamp's checksum covers, after i)
-_INDEX = struct.Struct("<Q")
 _WORD = struct.Struct("<Q")
 INLINE_META = ENTRY - _ENTRY_HEAD.size
 META_ON_SOCKET = 0xFFFFFFFF
+SLOT_RECORDED = 1 << 31  # in an entry's slot field: the producer recorded the slot's ready event
+RECORDED = 1 << 63  # in a release word: the consumer recorded its release event
+_SEQUENCE = RECORDED - 1
 _RELEASES_AT = 64
 
 
@@ -107,7 +126,8 @@ def _entries_at(slots: int) -> int:
 
 
 def _stamp(index: int, body: bytes | memoryview) -> int:
-    return ((index + 1) & 0xFFFFFFFF) << 32 | zlib.crc32(body, zlib.crc32(_INDEX.pack(index)))
+    # The index seeds the checksum: a stale entry of an earlier lap fails it.
+    return ((index + 1) & 0xFFFFFFFF) << 32 | zlib.crc32(body, index & 0xFFFFFFFF)
 
 
 class Channel:
@@ -141,8 +161,11 @@ class Channel:
         return cls(fd, slots)
 
     # -- producer -> consumer: entries ----------------------------------------------
-    def put(self, index: int, slot: int, sequence: int, meta: bytes | None) -> None:
-        """Write entry ``index`` (producer). ``meta`` None: it follows on the socket."""
+    def put(self, index: int, slot: int, sequence: int, meta: bytes | None, recorded: bool = False) -> None:
+        """Write entry ``index`` (producer). ``meta`` None: it follows on the socket;
+        ``recorded``: the slot's ready event was recorded for this publication."""
+        if recorded:
+            slot |= SLOT_RECORDED
         if meta is None:
             body = _BODY.pack(sequence, slot, META_ON_SOCKET)
         else:
@@ -153,7 +176,8 @@ class Channel:
 
     def take(self, index: int) -> tuple[int, int, bytes | None] | None:
         """Entry ``index`` as ``(slot, sequence, meta bytes or None if on the socket)``, or
-        None when it is not (completely) written yet (consumer)."""
+        None when it is not (completely) written yet (consumer). ``slot`` still carries
+        ``SLOT_RECORDED`` if the producer set it."""
         at = self._entries + ENTRY * (index % self.slots)
         stamp, sequence, slot, length = _ENTRY_HEAD.unpack_from(self.mm, at)
         if stamp >> 32 != (index + 1) & 0xFFFFFFFF:
@@ -171,11 +195,14 @@ class Channel:
         return bool(_WORD.unpack_from(self.mm, at)[0] >> 32 == (index + 1) & 0xFFFFFFFF)
 
     # -- consumer -> producer: release words ----------------------------------------
-    def release(self, slot: int, sequence: int) -> None:
-        _WORD.pack_into(self.mm, _RELEASES_AT + 8 * slot, sequence + 1)
+    def release(self, slot: int, sequence: int, recorded: bool = False) -> None:
+        _WORD.pack_into(self.mm, _RELEASES_AT + 8 * slot, sequence + 1 | (RECORDED if recorded else 0))
 
-    def released(self, slot: int, sequence: int) -> bool:
-        return bool(_WORD.unpack_from(self.mm, _RELEASES_AT + 8 * slot)[0] == sequence + 1)
+    def released(self, slot: int, sequence: int) -> int:
+        """0 if the consumer has not released publication ``sequence`` of ``slot``; else
+        the release word (test ``& RECORDED`` for its release event)."""
+        word: int = _WORD.unpack_from(self.mm, _RELEASES_AT + 8 * slot)[0]
+        return word if word & _SEQUENCE == sequence + 1 else 0
 
     def close(self) -> None:
         try:

@@ -21,7 +21,7 @@ from .. import _cuda
 from .._buffer import Buffer
 from .._errors import GpushareError, OwnerGoneError, RingClosedError
 from .._service import connect, shutdown_socket, socket_timeouts
-from ._channel import Channel, poke, soak
+from ._channel import SLOT_RECORDED, Channel, poke, soak
 from ._common import CLOSED, META, REGISTER_TIMEOUT, Frames, SlotBuffer, poll_ms
 
 __all__ = ["RingConsumer", "attach"]
@@ -179,11 +179,14 @@ class RingConsumer:
         self._index = index + 1
         self.received += 1
         self._held += 1
+        recorded = slot & SLOT_RECORDED
+        slot &= ~SLOT_RECORDED
         base = self._buffers[slot]
         if self._slot_events:
             memory = base._memory  # one item per slot at a time: the flag is this item's
             memory.event = self._slot_events[slot]
-            memory.pending = True
+            # Not recorded: the producer's stream was idle at publish, its writes are done.
+            memory.pending = bool(recorded)
         return SlotBuffer(base, self, slot, seq, seq, ForkingPickler.loads(meta) if meta else None, self._on_release)
 
     def _wait(self, channel: Channel, index: int, timeout: float | None) -> tuple[int, int, bytes | None]:
@@ -292,17 +295,19 @@ class RingConsumer:
         channel = self._channel
         if channel is None:
             return
+        recorded = False
         if self._release_events:
             try:
-                # Idle default stream: our reads are done and the event's last record is
-                # complete too, so the producer finds it done and does not wait.
-                if not _cuda.stream_idle(self._device):  # type: ignore[arg-type]
+                # Idle default stream: our reads are done; the release word says so,
+                # and the producer orders nothing after us.
+                recorded = not _cuda.stream_idle(self._device)  # type: ignore[arg-type]
+                if recorded:
                     _cuda.event_record(self._release_events[slot], self._device)  # type: ignore[arg-type]
             except Exception:  # e.g. at interpreter exit; keep the slot rather than free it under our reads
                 log.exception("gpushare: could not record the release of ring slot %d; keeping it", slot)
                 return
         try:
-            channel.release(slot, seq)
+            channel.release(slot, seq, recorded)
         except ValueError:  # closed meanwhile by another thread
             return
         poke(self._release_fd)

@@ -30,7 +30,7 @@ from .._buffer import Buffer
 from .._errors import BackendUnavailableError, RingClosedError
 from .._service import UnixListener, accept, socket_timeouts
 from . import _channel
-from ._channel import INLINE_META, Channel, poke, soak
+from ._channel import INLINE_META, RECORDED, Channel, poke, soak
 from ._common import (
     CLOSED,
     MAX_META,
@@ -118,7 +118,9 @@ class Producer:
         self._seq = [0] * self.n
         self._epoch = [0] * self.n
         self._holders: list[set[_Consumer]] = [set() for _ in range(self.n)]
-        self._last: list[list[_Consumer]] = [[] for _ in range(self.n)]  # who read a slot last (CUDA waits)
+        # Who read a slot's last publication and recorded a release event for it (CUDA:
+        # their reads were still queued); acquire() orders the next write after them.
+        self._last: list[list[_Consumer]] = [[] for _ in range(self.n)]
         self._busy: set[int] = set()  # published slots some consumer still holds
         self._free = collections.deque(range(self.n))
         self._consumers: dict[int, _Consumer] = {}
@@ -241,10 +243,16 @@ class Producer:
             for slot in list(self._busy):
                 holders = self._holders[slot]
                 seq = self._seq[slot]
-                for c in [c for c in holders if c.channel.released(slot, seq)]:
+                done = []
+                for c in holders:
+                    word = c.channel.released(slot, seq)
+                    if word:
+                        done.append(c)
+                        if word & RECORDED:
+                            self._last[slot].append(c)
+                for c in done:
                     holders.discard(c)
                     c.holds.discard(slot)
-                    self._last[slot].append(c)
                 if not holders:
                     self._busy.discard(slot)
                     self._state[slot] = _FREE
@@ -365,11 +373,13 @@ class Producer:
                 if remaining is not None and remaining <= 0:
                     raise TimeoutError(self._busy_message(timeout))
                 self._drain(remaining)
-            if self._cuda:
+            if readers:
                 # The producer's writes (default stream) wait for the consumers' reads
-                # of this slot's last publication, without blocking the host; a read
-                # already finished needs no wait (a wait on another process's event
-                # ties the two contexts' GPU work together, which costs far more).
+                # of this slot's last publication, without blocking the host. Only
+                # consumers whose reads were still queued at release recorded an event;
+                # a read already finished needs no wait either (a wait on another
+                # process's event ties the two contexts' GPU work together, which
+                # costs far more).
                 for c in readers:
                     if not c.dead and c.events and not _cuda.event_done(c.events[slot], self.device):  # type: ignore[arg-type]
                         _cuda.stream_wait_event(0, c.events[slot], self.device)  # type: ignore[arg-type]
@@ -419,8 +429,11 @@ class Producer:
             # find it done and wait for nothing, as a Queue's receiver of an event-less
             # descriptor does.
             on = 0 if stream is None else int(stream)
-            if not _cuda.stream_idle(self.device, on):  # type: ignore[arg-type]
+            recorded = not _cuda.stream_idle(self.device, on)  # type: ignore[arg-type]
+            if recorded:
                 _cuda.event_record(self._events[slot], self.device, on)  # type: ignore[arg-type]
+        else:
+            recorded = False
         with self._io:
             with self._lock:
                 if self.closed is not None:
@@ -447,7 +460,7 @@ class Producer:
                     except OSError:  # gone, or stuck for SEND_TIMEOUT: drop it
                         self._drop(c)
                         continue
-                c.channel.put(c.head, slot, seq, inline)
+                c.channel.put(c.head, slot, seq, inline, recorded)
                 c.head += 1
                 poke(c.wake)
         buf._on_release = None  # published: the slot is the consumers' now, not free
