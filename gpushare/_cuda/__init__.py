@@ -246,8 +246,9 @@ def on_device(ordinal: int) -> Iterator[Any]:
 # The per-handoff calls (event record, query and wait; stream query) go through
 # _enter instead of on_device: most of the time the device's primary context is
 # already current on the calling thread (make_current at worker start-up, torch's or
-# CuPy's own set-up), and then one cuCtxGetCurrent replaces a push, a pop and a
-# generator-based context manager, a few microseconds per call that every handoff paid.
+# CuPy's own set-up, or an earlier _enter on a thread that had none), and then one
+# cuCtxGetCurrent replaces a push, a pop and a generator-based context manager, a few
+# microseconds per call that every handoff paid.
 _primary_ints: dict[int, int] = {}
 _streams: dict[int, Any] = {}
 
@@ -260,8 +261,16 @@ def _enter(ordinal: int) -> tuple[Any, bool]:
     if key is None:
         key = _primary_ints.setdefault(ordinal, int(_primary_context(ordinal)))
     err, current = driver.cuCtxGetCurrent()
-    if err == driver.CUresult.CUDA_SUCCESS and current is not None and int(current) == key:
-        return driver, False
+    if err == driver.CUresult.CUDA_SUCCESS:
+        now = 0 if current is None else int(current)
+        if now == key:
+            return driver, False
+        if now == 0:
+            # No context on this thread yet: make the primary one current and leave it,
+            # as the runtime (torch, CuPy) does on its first call on a thread. The next
+            # handoff on this thread then pushes nothing.
+            _check("cuCtxSetCurrent", driver.cuCtxSetCurrent(_primary[ordinal]))
+            return driver, False
     _check("cuCtxPushCurrent", driver.cuCtxPushCurrent(_primary[ordinal]))
     return driver, True
 
