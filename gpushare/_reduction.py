@@ -35,11 +35,9 @@ from collections.abc import Callable
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-import numpy as np
-
 from . import _lifetime
 from ._buffer import Buffer
-from ._descriptor import Descriptor
+from ._descriptor import Descriptor, _dtype
 
 __all__ = ["attach_buffer", "descriptor_of", "rebuild_buffer", "reduce_buffer", "reduce_pickled"]
 
@@ -109,7 +107,7 @@ def rebuild_buffer(data: bytes) -> Buffer:
 def attach_buffer(desc: Descriptor) -> Buffer:
     """The Buffer a checked descriptor names, mapped in this process under its lease."""
     memory = _lifetime.attach(desc)
-    return Buffer(memory, desc.offset, desc.shape, np.dtype(desc.dtype))
+    return Buffer(memory, desc.offset, desc.shape, _dtype(desc.dtype))  # a cached dtype
 
 
 copyreg.pickle(Buffer, reduce_pickled)  # pickle, cloudpickle (Ray), copy
