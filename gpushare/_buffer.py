@@ -195,9 +195,11 @@ class Buffer:
         its default stream before it shared the buffer has finished, so the
         pointer is safe to use from any stream.
         """
-        address = self._address()
-        self._memory.ready()
-        return address
+        self._check()
+        memory = self._memory
+        if memory.pending:
+            memory.ready()
+        return memory.base + self._offset
 
     def _address(self) -> int:
         """The address, checked, without waiting for the producer (interop orders by stream)."""

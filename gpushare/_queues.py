@@ -75,10 +75,10 @@ def _settled(obj: Any, depth: int = 0) -> bool:
 
 def _capture(obj: Any) -> Any:
     """What put() hands to the feeder thread in place of ``obj``."""
+    if type(obj) is Buffer:  # first: the item a gpushare queue is for
+        return _Reduced(reduce_buffer(obj))
     if _settled(obj):
         return obj
-    if type(obj) is Buffer:
-        return _Reduced(reduce_buffer(obj))
     return _Pickled(bytes(ForkingPickler.dumps(obj)))
 
 
@@ -178,6 +178,7 @@ class _CaptureAndWatch:
     _sem: Any
     _reader: Any
     _poll: Any
+    _exit_checked = False  # put() looked whether this process must announce its exit
 
     def _reset(self, after_fork: bool = False) -> None:
         # multiprocessing's (at creation, unpickling and fork): it sets the
@@ -188,13 +189,15 @@ class _CaptureAndWatch:
 
     def put(self, obj: Any, block: bool = True, timeout: float | None = None) -> None:
         super().put(_capture(obj), block, timeout)  # type: ignore[misc]
-        if self._opid == os.getpid() and not getattr(self, "_announces_exit", False):
-            # After the first put started the feeder and registered the stdlib's close,
-            # so that this runs first (later registrations run first, at exit and on collection).
-            self._announces_exit = True
-            util.Finalize(
-                self, _announce_exit, args=(self._buffer, self._notempty, self._sem), exitpriority=EXIT_PRIORITY
-            )
+        if not self._exit_checked:
+            # Once per queue object, after the first put started the feeder and registered
+            # the stdlib's close, so that this runs first (later registrations run first, at
+            # exit and on collection). Only the creator announces its exit.
+            self._exit_checked = True
+            if self._opid == os.getpid():
+                util.Finalize(
+                    self, _announce_exit, args=(self._buffer, self._notempty, self._sem), exitpriority=EXIT_PRIORITY
+                )
 
     def get(self, block: bool = True, timeout: float | None = None) -> Any:
         item = self._get(block, timeout)

@@ -51,9 +51,8 @@ class _Recorder(_Channel):
         """Map lock held (it also guards the journal). Write the record straight into the
         journal if nothing is queued before it and there is room; False if not."""
         journal = self._journal
-        if journal is None or self._backlog or journal.full():
+        if journal is None or self._backlog or not journal.try_append(kind, lease_id):
             return False
-        journal.append(kind, lease_id)
         if journal.head - self._nudged_at >= _journal.NUDGE_AT and journal.unconsumed() >= _journal.NUDGE_AT:
             self._nudged_at = journal.head
             self._wake.put(_NUDGE)
