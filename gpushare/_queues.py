@@ -164,7 +164,11 @@ class _ReaderPoll:
             poller.register(fd, select.POLLIN)
             self._poller = poller
         ms = None if timeout is None else max(0, math.ceil(timeout * 1000))
-        return bool(poller.poll(ms))
+        try:
+            return bool(poller.poll(ms))
+        except RuntimeError:  # "concurrent poll() invocation": another thread of this process
+            # polls the same object (a get() waits while this is empty()): the stdlib's way.
+            return bool(self._reader.poll(timeout))
 
 
 class _CaptureAndWatch:
