@@ -13,6 +13,14 @@ Two objects make up a buffer in a process:
   reference back (releases the lease, or lets the owner recycle).
 
 ``release()`` releases only this process's reference and is idempotent.
+A Buffer that is never released gives its count back when it is garbage
+collected; one still alive at interpreter exit, when its memory is the
+owner's (the owner's own reference or a lease claimed in the owner's
+process), is released by ``weakref.finalize``'s exit hook. A lease
+claimed over a link (:attr:`Memory.exit_release` false) needs no exit hook
+of its own -- the link's exit handler closes the connection, and the
+owner then drops every lease of that process -- so its Buffers use a
+cheaper finalizer (:class:`_Drop`, called by ``__del__``).
 Touching the memory of a released buffer raises
 :class:`~gpushare._errors.BufferReleasedError`; touching a buffer whose
 owner is gone raises :class:`~gpushare._errors.OwnerGoneError`. Neither
@@ -76,6 +84,28 @@ def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+class _Drop:
+    """A Buffer's finalizer without ``weakref.finalize`` (registry, exit hook):
+    :meth:`Buffer.__del__` calls it when the Buffer is collected.
+
+    Has what Buffer uses of a finalizer: ``alive``, and calling it, which
+    drops the count once (a second call, from another thread too, does
+    nothing: swapping ``_memory`` out is one atomic step under the GIL).
+    """
+
+    __slots__ = ("_memory", "alive")
+
+    def __init__(self, memory: Memory) -> None:
+        self._memory: Memory | None = memory
+        self.alive = True
+
+    def __call__(self) -> None:
+        memory, self._memory = self._memory, None
+        if memory is not None:
+            self.alive = False
+            memory.drop_one()
+
+
 class Buffer:
     """A C-contiguous typed array in shared memory (CUDA device or host).
 
@@ -93,7 +123,19 @@ class Buffer:
         self._dtype = dtype
         self._export: Buffer | None = None  # keeps memory handed out by pointer alive (see release())
         memory.acquire()
-        self._finalizer = weakref.finalize(self, memory.drop_one)
+        self._finalizer: weakref.finalize[Any, Any] | _Drop
+        if memory.exit_release:
+            self._finalizer = weakref.finalize(self, memory.drop_one)
+        else:
+            self._finalizer = _Drop(memory)
+
+    def __del__(self) -> None:
+        # Runs the _Drop finalizer (a weakref.finalize one runs by itself; calling
+        # it again is a no-op). It writes shared memory or enqueues, never waits.
+        try:
+            self._finalizer()
+        except Exception:  # interpreter shutdown, or __init__ failed before setting it
+            pass
 
     # -- description --------------------------------------------------------
     @property
@@ -153,9 +195,11 @@ class Buffer:
         its default stream before it shared the buffer has finished, so the
         pointer is safe to use from any stream.
         """
-        address = self._address()
-        self._memory.ready()
-        return address
+        self._check()
+        memory = self._memory
+        if memory.pending:
+            memory.ready()
+        return memory.base + self._offset
 
     def _address(self) -> int:
         """The address, checked, without waiting for the producer (interop orders by stream)."""

@@ -119,12 +119,12 @@ class Descriptor(NamedTuple):
             key = data[:_LEASE_AT] + data[_LEASE_AT + _LEASE.size : -_CRC.size]
             known = _parsed.get(key)
             if known is not None and zlib.crc32(data[: -_CRC.size]) == _CRC.unpack_from(data, len(data) - 4)[0]:
-                (lease_id,) = _LEASE.unpack_from(data, _LEASE_AT)
-                return tuple.__new__(cls, (*known[:5], lease_id, *known[6:]))
+                head, tail = known  # the fields before and after the lease id
+                return tuple.__new__(cls, head + _LEASE.unpack_from(data, _LEASE_AT) + tail)
             desc = cls._parse(data)
             if len(_parsed) >= _PARSED_MAX:
                 _parsed.clear()
-            _parsed[key] = desc
+            _parsed[key] = (desc[:5], desc[6:])
             return desc
         return cls._parse(data)
 
@@ -208,7 +208,8 @@ class Descriptor(NamedTuple):
         return desc
 
 
-_parsed: dict[bytes, Descriptor] = {}  # see Descriptor.from_bytes
+# See Descriptor.from_bytes: per descriptor less its lease id, the fields around the lease id.
+_parsed: dict[bytes, tuple[tuple[Any, ...], tuple[Any, ...]]] = {}
 
 
 class Template:
@@ -219,13 +220,19 @@ class Template:
     instead of rebuilding every field.
     """
 
-    __slots__ = ("_mid", "_post", "_pre")
+    __slots__ = ("_mid", "_no_event", "_post", "_pre")
 
     def __init__(self, pre: bytes, mid: bytes, post: bytes) -> None:
         self._pre = pre  # the head up to the lease id
         self._mid = mid  # the rest of the head, owner address, handle, dtype
         self._post = post  # the shape
+        # From the lease id on, with no event: host memory, and CUDA memory whose stream was idle.
+        self._no_event = mid + _LENGTH.pack(0) + post
 
     def fill(self, lease_id: int, event: bytes) -> bytes:
-        body = b"".join((self._pre, _LEASE.pack(lease_id), self._mid, _LENGTH.pack(len(event)), event, self._post))
+        if event:
+            rest = b"".join((self._mid, _LENGTH.pack(len(event)), event, self._post))
+        else:
+            rest = self._no_event
+        body = self._pre + _LEASE.pack(lease_id) + rest
         return body + _CRC.pack(zlib.crc32(body))

@@ -104,6 +104,16 @@ class JournalWriter:
         self._limit = _TAIL.unpack_from(self._mm, 0)[0] + CAPACITY
         return self.head >= self._limit
 
+    def try_append(self, kind: int, lease_id: int) -> bool:
+        """``append`` if not ``full()``, in one call (the consumer's hot path); False if full."""
+        n = self.head
+        if n >= self._limit and self.full():
+            return False
+        value = lease_id << 1 | kind
+        _RECORD.pack_into(self._mm, _RECORDS_AT + (n % CAPACITY) * _RECORD.size, value, _mix(value, n))
+        self.head = n + 1
+        return True
+
     def append(self, kind: int, lease_id: int) -> None:
         """Write one record. The caller checked ``not full()``."""
         n = self.head

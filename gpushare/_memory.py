@@ -12,7 +12,6 @@ layer the wrong way.
 
 from __future__ import annotations
 
-import threading
 from typing import Any, Protocol
 
 from . import _cuda
@@ -34,8 +33,7 @@ class Memory:
     """This process's one reference to one allocation incarnation."""
 
     __slots__ = (
-        "_count",
-        "_lock",
+        "_refs",
         "address",
         "alloc_id",
         "alloc_nbytes",
@@ -44,6 +42,7 @@ class Memory:
         "device",
         "device_uuid",
         "event",
+        "exit_release",
         "generation",
         "handle",
         "native",
@@ -53,9 +52,10 @@ class Memory:
         "templates",
     )
 
+    # Positional or keyword: the consumer makes one per arrival, positionally, which
+    # costs half of a keyword call.
     def __init__(
         self,
-        *,
         backend: Any,
         base: int,
         alloc_nbytes: int,
@@ -69,6 +69,7 @@ class Memory:
         native: Any,
         source: Source,
         event: Any = None,
+        exit_release: bool = True,
     ) -> None:
         self.backend = backend
         self.base = base
@@ -89,8 +90,13 @@ class Memory:
         # Sharer side: descriptor templates per (offset, shape, dtype, handle) view,
         # filled with a lease id and a ready event at each pickling (_reduction).
         self.templates: dict[tuple[Any, ...], Any] | None = None
-        self._count = 0
-        self._lock = threading.Lock()
+        # Whether Buffers of this memory must also be released by the interpreter's exit
+        # hook (see gpushare._buffer): false for a lease claimed over a link.
+        self.exit_release = exit_release
+        # One entry per Buffer holding a count: the first True, the others False.
+        # list.append and list.pop are atomic under the GIL, so counting needs no
+        # lock, and exactly one drop -- the one that pops the first entry -- is the last.
+        self._refs: list[bool] = []
 
     def ready(self) -> None:
         """Block until the producer's work queued before it shared this buffer is done."""
@@ -106,12 +112,11 @@ class Memory:
             _cuda.stream_wait_event(stream, self.event, self.device)
 
     def acquire(self) -> None:
-        with self._lock:
-            self._count += 1
+        """Count one more Buffer. Made while another Buffer still holds a count (the
+        first by whoever made this Memory), so the list is empty only for the first."""
+        refs = self._refs
+        refs.append(not refs)
 
     def drop_one(self) -> None:
-        with self._lock:
-            self._count -= 1
-            last = self._count == 0
-        if last:
+        if self._refs.pop():
             self.source.drop(self)

@@ -35,12 +35,20 @@ put before, and never before:
 
 A queue still fed by other living processes keeps working while items keep
 coming.
+
+Watching makes every blocking ``get()`` one with a timeout, which in the
+stdlib polls the pipe through a new selector per call (about as much CPU
+as the rest of a small get). The queue polls its pipe with one
+``select.poll`` object instead (:class:`_ReaderPoll`): the same wait,
+without building it each time.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import queue
+import select
 import time
 from multiprocessing import queues, util
 from multiprocessing.reduction import ForkingPickler
@@ -67,10 +75,10 @@ def _settled(obj: Any, depth: int = 0) -> bool:
 
 def _capture(obj: Any) -> Any:
     """What put() hands to the feeder thread in place of ``obj``."""
+    if type(obj) is Buffer:  # first: the item a gpushare queue is for
+        return _Reduced(reduce_buffer(obj))
     if _settled(obj):
         return obj
-    if type(obj) is Buffer:
-        return _Reduced(reduce_buffer(obj))
     return _Pickled(bytes(ForkingPickler.dumps(obj)))
 
 
@@ -132,6 +140,37 @@ def _announce_exit(buffer: Any, notempty: Any, sem: Any) -> None:
         notempty.notify()
 
 
+class _ReaderPoll:
+    """``Connection.poll`` for a queue's reader, with one ``select.poll`` object.
+
+    The stdlib's builds a selector on every call, and a watching ``get()``
+    polls on every call. Same answers: True when there is data or the
+    writers are gone (the read then raises EOFError); a closed reader raises
+    OSError (from ``fileno()``). A poll object is plain user memory, so it
+    stays valid in a forked child (which makes its own anyway: ``_reset``).
+    """
+
+    __slots__ = ("_poller", "_reader")
+
+    def __init__(self, reader: Any) -> None:
+        self._reader = reader
+        self._poller: Any = None
+
+    def __call__(self, timeout: float | None = 0.0) -> bool:
+        fd = self._reader.fileno()
+        poller = self._poller
+        if poller is None:
+            poller = select.poll()
+            poller.register(fd, select.POLLIN)
+            self._poller = poller
+        ms = None if timeout is None else max(0, math.ceil(timeout * 1000))
+        try:
+            return bool(poller.poll(ms))
+        except RuntimeError:  # "concurrent poll() invocation": another thread of this process
+            # polls the same object (a get() waits while this is empty()): the stdlib's way.
+            return bool(self._reader.poll(timeout))
+
+
 class _CaptureAndWatch:
     """put() captures the item now; get() ends when the creator is gone."""
 
@@ -141,16 +180,28 @@ class _CaptureAndWatch:
     _buffer: Any
     _notempty: Any
     _sem: Any
+    _reader: Any
+    _poll: Any
+    _exit_checked = False  # put() looked whether this process must announce its exit
+
+    def _reset(self, after_fork: bool = False) -> None:
+        # multiprocessing's (at creation, unpickling and fork): it sets the
+        # reader's poll, which get() with a timeout calls; use the cheap one.
+        super()._reset(after_fork)  # type: ignore[misc]
+        if hasattr(select, "poll"):
+            self._poll = _ReaderPoll(self._reader)
 
     def put(self, obj: Any, block: bool = True, timeout: float | None = None) -> None:
         super().put(_capture(obj), block, timeout)  # type: ignore[misc]
-        if self._opid == os.getpid() and not getattr(self, "_announces_exit", False):
-            # After the first put started the feeder and registered the stdlib's close,
-            # so that this runs first (later registrations run first, at exit and on collection).
-            self._announces_exit = True
-            util.Finalize(
-                self, _announce_exit, args=(self._buffer, self._notempty, self._sem), exitpriority=EXIT_PRIORITY
-            )
+        if not self._exit_checked:
+            # Once per queue object, after the first put started the feeder and registered
+            # the stdlib's close, so that this runs first (later registrations run first, at
+            # exit and on collection). Only the creator announces its exit.
+            self._exit_checked = True
+            if self._opid == os.getpid():
+                util.Finalize(
+                    self, _announce_exit, args=(self._buffer, self._notempty, self._sem), exitpriority=EXIT_PRIORITY
+                )
 
     def get(self, block: bool = True, timeout: float | None = None) -> Any:
         item = self._get(block, timeout)

@@ -35,11 +35,9 @@ from collections.abc import Callable
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-import numpy as np
-
 from . import _lifetime
 from ._buffer import Buffer
-from ._descriptor import Descriptor
+from ._descriptor import Descriptor, _dtype
 
 __all__ = ["attach_buffer", "descriptor_of", "rebuild_buffer", "reduce_buffer", "reduce_pickled"]
 
@@ -75,7 +73,7 @@ def reduce_buffer(buf: Buffer) -> tuple[Any, tuple[bytes]]:
     buf._check()
     memory = buf._memory
     lease_id, event = memory.source.share(memory)  # sets memory.handle on the first share
-    key = (buf._offset, buf._shape, buf._dtype.str, memory.handle)
+    key = (buf._offset, buf._shape, buf._dtype, memory.handle)  # the dtype hashes faster than its .str
     templates = memory.templates
     if templates is None:
         templates = memory.templates = {}
@@ -103,13 +101,14 @@ def reduce_pickled(buf: Buffer) -> tuple[Any, tuple[Any, ...]]:
 
 def rebuild_buffer(data: bytes) -> Buffer:
     """Unpickling side: parse and check the descriptor, claim its lease, map it."""
-    return attach_buffer(Descriptor.from_bytes(data))
+    desc = Descriptor.from_bytes(data)
+    return Buffer(_lifetime.attach(desc), desc.offset, desc.shape, _dtype(desc.dtype))  # attach_buffer, inlined
 
 
 def attach_buffer(desc: Descriptor) -> Buffer:
     """The Buffer a checked descriptor names, mapped in this process under its lease."""
     memory = _lifetime.attach(desc)
-    return Buffer(memory, desc.offset, desc.shape, np.dtype(desc.dtype))
+    return Buffer(memory, desc.offset, desc.shape, _dtype(desc.dtype))  # a cached dtype
 
 
 copyreg.pickle(Buffer, reduce_pickled)  # pickle, cloudpickle (Ray), copy

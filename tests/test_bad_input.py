@@ -15,6 +15,8 @@ import io
 import os
 import pickle
 import queue
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -247,6 +249,21 @@ def test_a_device_that_does_not_exist(manager, device) -> None:
     with pytest.raises(mp.NoDeviceError, match=r"device 64 does not exist|GPU"):
         manager.empty((4,), device=device)
     assert manager.stats()["live_buffers"] == 0
+
+
+def test_queue_empty_while_another_thread_waits_in_get() -> None:
+    # The queue polls its pipe with one poll object per process; a thread asking empty()
+    # while another waits in get() polls it at the same time, which must still answer.
+    q = mp.Queue()
+    got: list[object] = []
+    waiter = threading.Thread(target=lambda: got.append(q.get(timeout=T)))
+    waiter.start()
+    for _ in range(300):
+        assert q.empty()
+        time.sleep(0.001)
+    q.put("item")
+    waiter.join(timeout=T)
+    assert got == ["item"]
 
 
 def test_queue_get_timeout_is_still_queue_empty() -> None:

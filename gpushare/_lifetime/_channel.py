@@ -42,7 +42,6 @@ class _LinkState:
     _wait_lock: threading.Lock
     _reqs: itertools.count[int]
     _journal: _journal.JournalWriter | None
-    _journal_lock: threading.Lock
     _backlog: collections.deque[tuple[int, int, int, bool]]
     _nudged_at: int
     _wake: queue.SimpleQueue[int | None]

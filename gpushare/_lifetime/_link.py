@@ -32,6 +32,8 @@ from ._recorder import _Recorder
 class _LeaseSource:
     """A lease claimed by this (non-owner) process over its link."""
 
+    __slots__ = ("lease_id", "link")
+
     def __init__(self, link: Link, lease_id: int) -> None:
         self.link = link
         self.lease_id = lease_id
@@ -82,11 +84,10 @@ class Link(_Recorder):
         self._waiting: dict[int, list[Any]] = {}
         self._wait_lock = threading.Lock()
         self._reqs = itertools.count(1)
-        # Lease records (see _journal): written straight into the journal when that
-        # can be done without blocking, else queued here, in order, for the writer
-        # thread: (_CLAIM | _RELEASE, lease, alloc, accounted).
+        # Lease records (see _journal; the map lock guards it too): written straight
+        # into the journal when that can be done without blocking, else queued here,
+        # in order, for the writer thread: (_CLAIM | _RELEASE, lease, alloc, accounted).
         self._journal = _journal.create_writer()
-        self._journal_lock = threading.Lock()
         self._backlog: collections.deque[tuple[int, int, int, bool]] = collections.deque()
         self._nudged_at = 0  # journal head when the owner was last nudged
         # Wakes the writer: 1 (backlog), _NUDGE, or None (stop). SimpleQueue.put is
@@ -132,24 +133,28 @@ class Link(_Recorder):
         A first arrival claims synchronously before it maps anything.
         """
         backend = _backends.get(desc.backend)
+        lease_id, alloc_id = desc.lease_id, desc.alloc_id
         with self._map_lock:
-            if desc.lease_id in self._held:
+            if lease_id in self._held:
                 raise DescriptorError(
-                    f"lease {desc.lease_id} is already held by a buffer in this process: a pickled buffer "
+                    f"lease {lease_id} is already held by a buffer in this process: a pickled buffer "
                     "can be unpickled once; pickle the buffer once per receiver"
                 )
-            mapping = self._mappings.get(desc.alloc_id)
+            mapping = self._mappings.get(alloc_id)
             if mapping is not None:
                 mapping.refs += 1
-                self._held.add(desc.lease_id)
+                self._held.add(lease_id)
+                # Claimed by a record in the journal, written under the lock already
+                # held: the caller pays for a few bytes of shared memory, not a message.
+                claimed = self._append_locked(_CLAIM, lease_id)
         if mapping is not None:
-            # Claimed by a record in the journal: the caller pays for a few
-            # bytes of shared memory, not a socket message.
-            self._note(_CLAIM, desc.lease_id, desc.alloc_id)
+            if not claimed:  # behind the backlog, or the journal is full: the writer's
+                self._backlog.append((_CLAIM, lease_id, alloc_id, True))
+                self._wake.put(1)
         else:
-            self.request("claim", desc.lease_id, desc.alloc_id)
+            self.request("claim", lease_id, alloc_id)
             with self._map_lock:
-                self._held.add(desc.lease_id)
+                self._held.add(lease_id)
             try:
                 # Opened without the map lock: an fd-based open waits on the reader
                 # thread, which takes that lock to answer the owner's unmap requests.
@@ -157,38 +162,42 @@ class Link(_Recorder):
                     desc.handle,
                     desc.alloc_nbytes,
                     desc.device_uuid,
-                    lambda: int(self.request("fd", desc.alloc_id)),
+                    lambda: int(self.request("fd", alloc_id)),
                     desc.owner_token,
                 )
                 with self._map_lock:
-                    mapping = self._mappings.setdefault(desc.alloc_id, opened)
+                    mapping = self._mappings.setdefault(alloc_id, opened)
                     mapping.refs += 1
                 if mapping is not opened:  # another thread mapped it first
                     backend.close(opened)
             except BaseException:
-                self._note(_RELEASE, desc.lease_id, -1)
+                self._note(_RELEASE, lease_id, -1)
                 raise
         event = None
         if desc.event:
             try:
                 event = self._event(desc.event, mapping.device)
             except BaseException:
-                self._note(_RELEASE, desc.lease_id, desc.alloc_id)
+                self._note(_RELEASE, lease_id, alloc_id)
                 raise
+        # Positionally (see Memory.__init__ for the order): one per arrival. Not released
+        # at exit by the Buffer: close_links() closes this link then, and the owner drops
+        # every lease of a closed connection.
         return Memory(
-            backend=backend,
-            base=mapping.ptr,
-            alloc_nbytes=desc.alloc_nbytes,
-            device=mapping.device,
-            device_uuid=desc.device_uuid,
-            owner_token=desc.owner_token,
-            address=desc.address,
-            alloc_id=desc.alloc_id,
-            generation=desc.generation,
-            handle=desc.handle,
-            native=mapping.native,
-            source=_LeaseSource(self, desc.lease_id),
-            event=event,
+            backend,
+            mapping.ptr,
+            desc.alloc_nbytes,
+            mapping.device,
+            desc.device_uuid,
+            desc.owner_token,
+            desc.address,
+            alloc_id,
+            desc.generation,
+            desc.handle,
+            mapping.native,  # native
+            _LeaseSource(self, lease_id),  # source
+            event,
+            False,  # exit_release
         )
 
     def _event(self, handle: bytes, device: int | None) -> Any:
@@ -249,7 +258,7 @@ class Link(_Recorder):
             self._sock.close()
         except OSError:
             pass
-        with self._journal_lock:
+        with self._map_lock:
             journal, self._journal = self._journal, None
         if journal is not None:
             journal.close()

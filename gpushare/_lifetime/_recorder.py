@@ -1,7 +1,8 @@
 """A consumer's lease records: claims and releases written to its journal without blocking.
 
 Releases run inside the garbage collector, on any thread: :meth:`_Recorder._note` only
-ever *tries* its locks, writes the record straight into the shared-memory journal
+ever *tries* its lock (the link's map lock, which guards the journal too: one lock per
+record instead of two), writes the record straight into the shared-memory journal
 (:mod:`gpushare._journal`) when it can, and otherwise appends it to a backlog that the
 writer thread (:meth:`_Recorder._write_loop`) moves into the journal in order, nudging the
 owner (``drain``) when the journal fills. Without a journal the backlog goes as ``batch``
@@ -27,34 +28,35 @@ class _Recorder(_Channel):
         """Record a claim or a release of ``lease_id``. Never blocks.
 
         Runs in user code and inside the garbage collector, on any thread,
-        possibly one that already holds these locks: so it only ever *tries*
-        them. The fast path accounts for a release and appends the record to
+        possibly one that already holds the map lock: so it only ever *tries*
+        it. The fast path accounts for a release and appends the record to
         the journal at once; anything else goes to the backlog, which the
         writer thread empties in order (a record is never written before one
         queued earlier).
         """
-        journal = self._journal
-        if journal is not None and self._map_lock.acquire(blocking=False):
+        if self._map_lock.acquire(blocking=False):
             try:
                 if kind == _RELEASE:
                     self._unhold(lease_id, alloc_id)
-                if self._journal_lock.acquire(blocking=False):
-                    try:
-                        if self._journal is journal and not self._backlog and not journal.full():
-                            journal.append(kind, lease_id)
-                            if journal.head - self._nudged_at >= _journal.NUDGE_AT:
-                                if journal.unconsumed() >= _journal.NUDGE_AT:
-                                    self._nudged_at = journal.head
-                                    self._wake.put(_NUDGE)
-                            return
-                    finally:
-                        self._journal_lock.release()
+                if self._append_locked(kind, lease_id):
+                    return
             finally:
                 self._map_lock.release()
             self._backlog.append((kind, lease_id, alloc_id, True))
         else:
             self._backlog.append((kind, lease_id, alloc_id, False))
         self._wake.put(1)
+
+    def _append_locked(self, kind: int, lease_id: int) -> bool:
+        """Map lock held (it also guards the journal). Write the record straight into the
+        journal if nothing is queued before it and there is room; False if not."""
+        journal = self._journal
+        if journal is None or self._backlog or not journal.try_append(kind, lease_id):
+            return False
+        if journal.head - self._nudged_at >= _journal.NUDGE_AT and journal.unconsumed() >= _journal.NUDGE_AT:
+            self._nudged_at = journal.head
+            self._wake.put(_NUDGE)
+        return True
 
     def _unhold(self, lease_id: int, alloc_id: int) -> None:
         """Map lock held. A released lease no longer keeps its mapping in use.
@@ -101,7 +103,7 @@ class _Recorder(_Channel):
 
     def _write_backlog(self) -> bool:
         """Move backlog records into the journal, in order; False if it filled up first."""
-        with self._journal_lock:
+        with self._map_lock:
             journal = self._journal
             if journal is None:  # closed: the owner learns the rest from the connection's end
                 return True
@@ -110,8 +112,7 @@ class _Recorder(_Channel):
                     return False
                 kind, lease_id, alloc_id, accounted = self._backlog[0]
                 if kind == _RELEASE and not accounted:
-                    with self._map_lock:
-                        self._unhold(lease_id, alloc_id)
+                    self._unhold(lease_id, alloc_id)
                 journal.append(kind, lease_id)
                 self._backlog.popleft()
         return True
