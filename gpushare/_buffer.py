@@ -89,21 +89,24 @@ class _Drop:
     :meth:`Buffer.__del__` calls it when the Buffer is collected.
 
     Has what Buffer uses of a finalizer: ``alive``, and calling it, which
-    drops the count once (a second call, from another thread too, does
-    nothing: swapping ``_memory`` out is one atomic step under the GIL).
+    drops the count once. A second call, from another thread too, does
+    nothing: the Memory sits in a one-item list, and ``list.pop`` is one
+    atomic step under the GIL (an attribute swap would be two).
     """
 
-    __slots__ = ("_memory", "alive")
+    __slots__ = ("_held", "alive")
 
     def __init__(self, memory: Memory) -> None:
-        self._memory: Memory | None = memory
+        self._held = [memory]
         self.alive = True
 
     def __call__(self) -> None:
-        memory, self._memory = self._memory, None
-        if memory is not None:
-            self.alive = False
-            memory.drop_one()
+        try:
+            memory = self._held.pop()
+        except IndexError:  # already dropped
+            return
+        self.alive = False
+        memory.drop_one()
 
 
 class Buffer:

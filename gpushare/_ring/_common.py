@@ -7,7 +7,7 @@ import os
 import struct
 from typing import Any
 
-from .._buffer import Buffer
+from .._buffer import Buffer, _Drop
 
 #: Seconds a registration step (either side) may take before it is abandoned.
 REGISTER_TIMEOUT = 30.0
@@ -87,26 +87,6 @@ class Frames:
         message = bytes(buf[start:end])
         del buf[:end]
         return message
-
-
-class _Drop:
-    """Buffer's finalizer for ring items, without a ``weakref.finalize`` per item.
-
-    Has what Buffer uses of a finalizer (``alive``, calling it once);
-    :meth:`SlotBuffer.__del__` calls it when the item is collected.
-    """
-
-    __slots__ = ("_memory", "alive")
-
-    def __init__(self, memory: Any) -> None:
-        self._memory = memory
-        self.alive = True
-
-    def __call__(self) -> None:
-        memory, self._memory = self._memory, None
-        if memory is not None:
-            self.alive = False
-            memory.drop_one()
 
 
 class SlotBuffer(Buffer):
