@@ -114,11 +114,14 @@ the producer acquires the slot again its default stream waits for those
 of the consumers that read it last (``cuStreamWaitEvent``: the host never
 blocks). Work that reads or writes a slot on another stream must be
 ordered with the default stream first (or pass ``stream=`` to publish).
-Neither side records on a stream with nothing queued (the event's last
-record is then complete, as all of that stream's work is, so the other
-side finds it done), and the producer waits only on release events that
-are not complete yet (``cuEventQuery``): an unconditional GPU wait on
-another process's event ties the two contexts together on every item.
+Neither side records on a stream with nothing queued (all of that
+stream's work is then done), and each says in shared memory whether it
+recorded: a flag in the entry (``SLOT_RECORDED``) and one in the release
+word (``RECORDED``). Unflagged, the other side calls the driver not at
+all; flagged, the consumer waits on the slot event, and the producer
+waits only on release events that are not complete yet (``cuEventQuery``):
+an unconditional GPU wait on another process's event ties the two
+contexts together on every item.
 On the host backend none of this is needed.
 
 Every call that can block takes a ``timeout`` and raises
