@@ -116,10 +116,8 @@ class JournalWriter:
 
     def append(self, kind: int, lease_id: int) -> None:
         """Write one record. The caller checked ``not full()``."""
-        n = self.head
-        value = lease_id << 1 | kind
-        _RECORD.pack_into(self._mm, _RECORDS_AT + (n % CAPACITY) * _RECORD.size, value, _mix(value, n))
-        self.head = n + 1
+        if not self.try_append(kind, lease_id):
+            raise RuntimeError("the lease journal is full: check full() before append()")
 
     def close_fd(self) -> None:
         if self.fd is not None:

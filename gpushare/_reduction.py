@@ -101,8 +101,7 @@ def reduce_pickled(buf: Buffer) -> tuple[Any, tuple[Any, ...]]:
 
 def rebuild_buffer(data: bytes) -> Buffer:
     """Unpickling side: parse and check the descriptor, claim its lease, map it."""
-    desc = Descriptor.from_bytes(data)
-    return Buffer(_lifetime.attach(desc), desc.offset, desc.shape, _dtype(desc.dtype))  # attach_buffer, inlined
+    return attach_buffer(Descriptor.from_bytes(data))
 
 
 def attach_buffer(desc: Descriptor) -> Buffer:

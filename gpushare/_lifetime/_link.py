@@ -149,8 +149,7 @@ class Link(_Recorder):
                 claimed = self._append_locked(_CLAIM, lease_id)
         if mapping is not None:
             if not claimed:  # behind the backlog, or the journal is full: the writer's
-                self._backlog.append((_CLAIM, lease_id, alloc_id, True))
-                self._wake.put(1)
+                self._defer(_CLAIM, lease_id, alloc_id, True)
         else:
             self.request("claim", lease_id, alloc_id)
             with self._map_lock:

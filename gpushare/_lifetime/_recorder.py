@@ -42,9 +42,14 @@ class _Recorder(_Channel):
                     return
             finally:
                 self._map_lock.release()
-            self._backlog.append((kind, lease_id, alloc_id, True))
+            self._defer(kind, lease_id, alloc_id, True)
         else:
-            self._backlog.append((kind, lease_id, alloc_id, False))
+            self._defer(kind, lease_id, alloc_id, False)
+
+    def _defer(self, kind: int, lease_id: int, alloc_id: int, accounted: bool) -> None:
+        """Queue a record for the writer thread (behind the backlog, or the journal is
+        full); ``accounted``: a release's ``_unhold`` was already done."""
+        self._backlog.append((kind, lease_id, alloc_id, accounted))
         self._wake.put(1)
 
     def _append_locked(self, kind: int, lease_id: int) -> bool:
