@@ -101,9 +101,12 @@ class _Drop:
         self.alive = True
 
     def __call__(self) -> None:
+        held = self._held
+        if not held:  # already dropped (the common case at collection: cheaper than the IndexError)
+            return
         try:
-            memory = self._held.pop()
-        except IndexError:  # already dropped
+            memory = held.pop()
+        except IndexError:  # another thread dropped it just now
             return
         self.alive = False
         memory.drop_one()

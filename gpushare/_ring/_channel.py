@@ -125,20 +125,16 @@ def _entries_at(slots: int) -> int:
     return (_RELEASES_AT + 8 * slots + 63) // 64 * 64
 
 
-def _stamp(index: int, body: bytes | memoryview) -> int:
-    # The index seeds the checksum: a stale entry of an earlier lap fails it.
-    return ((index + 1) & 0xFFFFFFFF) << 32 | zlib.crc32(body, index & 0xFFFFFFFF)
-
-
 class Channel:
     """Both ends of one consumer's shared segment (each process maps it once)."""
 
-    __slots__ = ("_entries", "fd", "mm", "slots")
+    __slots__ = ("_at", "_entries", "fd", "mm", "slots")
 
     def __init__(self, fd: int, slots: int) -> None:
         self.fd = fd
         self.slots = slots
         self._entries = _entries_at(slots)
+        self._at = [self._entries + ENTRY * i for i in range(slots)]  # each entry's offset
         self.mm = mmap.mmap(fd, _size(slots))
 
     @classmethod
@@ -164,34 +160,39 @@ class Channel:
     def put(self, index: int, slot: int, sequence: int, meta: bytes | None, recorded: bool = False) -> None:
         """Write entry ``index`` (producer). ``meta`` None: it follows on the socket;
         ``recorded``: the slot's ready event was recorded for this publication."""
-        if recorded:
-            slot |= SLOT_RECORDED
-        if meta is None:
-            body = _BODY.pack(sequence, slot, META_ON_SOCKET)
-        else:
-            body = _BODY.pack(sequence, slot, len(meta)) + meta
-        at = self._entries + ENTRY * (index % self.slots)
-        self.mm[at + 8 : at + 8 + len(body)] = body
-        _WORD.pack_into(self.mm, at, _stamp(index, body))  # last: the entry is complete when it checks
+        at = self._at[index % self.slots]
+        mm = self.mm
+        length = META_ON_SOCKET if meta is None else len(meta)
+        head = _BODY.pack(sequence, slot | SLOT_RECORDED if recorded else slot, length)
+        mm[at + 8 : at + _ENTRY_HEAD.size] = head
+        # The index seeds the checksum, so a stale entry of an earlier lap fails it;
+        # crc32 runs on, so head and meta need not be joined first.
+        check = zlib.crc32(head, index & 0xFFFFFFFF)
+        if meta:
+            mm[at + _ENTRY_HEAD.size : at + _ENTRY_HEAD.size + len(meta)] = meta
+            check = zlib.crc32(meta, check)
+        _WORD.pack_into(mm, at, ((index + 1) & 0xFFFFFFFF) << 32 | check)  # last: the entry is complete when it checks
 
     def take(self, index: int) -> tuple[int, int, bytes | None] | None:
         """Entry ``index`` as ``(slot, sequence, meta bytes or None if on the socket)``, or
         None when it is not (completely) written yet (consumer). ``slot`` still carries
         ``SLOT_RECORDED`` if the producer set it."""
-        at = self._entries + ENTRY * (index % self.slots)
-        stamp, sequence, slot, length = _ENTRY_HEAD.unpack_from(self.mm, at)
+        at = self._at[index % self.slots]
+        mm = self.mm
+        stamp, _, _, length = _ENTRY_HEAD.unpack_from(mm, at)
         if stamp >> 32 != (index + 1) & 0xFFFFFFFF:
             return None
-        end = at + _ENTRY_HEAD.size + (0 if length == META_ON_SOCKET else min(length, INLINE_META))
-        if _stamp(index, self.mm[at + 8 : end]) != stamp:
+        body = mm[at + 8 : at + _ENTRY_HEAD.size + (0 if length == META_ON_SOCKET else min(length, INLINE_META))]
+        if zlib.crc32(body, index & 0xFFFFFFFF) != stamp & 0xFFFFFFFF:
             return None  # torn: still being written
+        sequence, slot, length = _BODY.unpack_from(body)  # the fields the checksum covered
         if length == META_ON_SOCKET:
             return slot, sequence, None
-        return slot, sequence, self.mm[at + _ENTRY_HEAD.size : end]
+        return slot, sequence, body[_BODY.size :]
 
     def ready(self, index: int) -> bool:
         """Whether entry ``index`` looks written (cheap; :meth:`take` checks it fully)."""
-        at = self._entries + ENTRY * (index % self.slots)
+        at = self._at[index % self.slots]
         return bool(_WORD.unpack_from(self.mm, at)[0] >> 32 == (index + 1) & 0xFFFFFFFF)
 
     # -- consumer -> producer: release words ----------------------------------------

@@ -1,11 +1,14 @@
 """The producer's end of a ring: slot states, registration, publishing, releases.
 
 See :mod:`gpushare._ring` for the protocol. Locks: ``_io`` serializes
-everything that touches consumer channels and sockets or closes them
-(acquire, publish, stats, close); ``_lock`` guards the slot states and the
-consumer table, which registration threads also touch. Order: ``_io``
-before ``_lock``. Finalizers only enqueue and wake (``_deferred``), never
-take a lock.
+everything that touches the slot states, consumer channels and sockets or
+closes them (acquire, publish, stats, close, dropping a consumer); ``_lock``
+guards the consumer table and ``closed``, which registration threads also
+touch. Order: ``_io`` before ``_lock``. ``publish`` reads the consumer
+table through ``_targets``, a tuple that registration replaces (under
+``_lock``) only after the consumer was told it is registered, so it needs
+no ``_lock``. Finalizers only enqueue and wake (``_deferred``), never take
+a lock.
 """
 
 from __future__ import annotations
@@ -124,6 +127,7 @@ class Producer:
         self._busy: set[int] = set()  # published slots some consumer still holds
         self._free = collections.deque(range(self.n))
         self._consumers: dict[int, _Consumer] = {}
+        self._targets: tuple[_Consumer, ...] = ()  # _consumers' values, what publish() sends to
         self._version = 0  # bumped whenever _consumers changes; the poller follows it
         self._registered = 0
         self._published = 0
@@ -191,6 +195,7 @@ class Producer:
                 else:
                     consumer = _Consumer(next(self._cids), conn, pid, Frames(conn.fileno()), channel, wake, events)
                     self._consumers[consumer.cid] = consumer
+                    self._targets = tuple(self._consumers.values())
                     self._version += 1
                     self._registered += 1
                     self._cond.notify_all()
@@ -224,40 +229,38 @@ class Producer:
         self._wake()
 
     def _apply_deferred(self) -> bool:
+        """Free the slots acquired and released unpublished; True if one went free. Under _io."""
         freed = False
-        while True:
+        deferred = self._deferred
+        while not deferred.empty():  # only a thread holding _io takes from it
             try:
-                slot, epoch = self._deferred.get_nowait()
+                slot, epoch = deferred.get_nowait()
             except queue.Empty:
-                return freed
-            with self._lock:
-                if self._state[slot] == _ACQUIRED and self._epoch[slot] == epoch:
-                    self._state[slot] = _FREE
-                    self._free.append(slot)
-                    freed = True
+                break
+            if self._state[slot] == _ACQUIRED and self._epoch[slot] == epoch:
+                self._state[slot] = _FREE
+                self._free.append(slot)
+                freed = True
+        return freed
 
     def _collect(self) -> bool:
-        """Apply the release words consumers wrote; True if a slot went free."""
+        """Apply the release words consumers wrote; True if a slot went free. Under _io."""
         freed = False
-        with self._lock:
-            for slot in list(self._busy):
-                holders = self._holders[slot]
-                seq = self._seq[slot]
-                done = []
-                for c in holders:
-                    word = c.channel.released(slot, seq)
-                    if word:
-                        done.append(c)
-                        if word & RECORDED:
-                            self._last[slot].append(c)
-                for c in done:
+        for slot in tuple(self._busy):
+            holders = self._holders[slot]
+            seq = self._seq[slot]
+            for c in tuple(holders):
+                word = c.channel.released(slot, seq)
+                if word:
                     holders.discard(c)
                     c.holds.discard(slot)
-                if not holders:
-                    self._busy.discard(slot)
-                    self._state[slot] = _FREE
-                    self._free.append(slot)
-                    freed = True
+                    if word & RECORDED:
+                        self._last[slot].append(c)
+            if not holders:
+                self._busy.discard(slot)
+                self._state[slot] = _FREE
+                self._free.append(slot)
+                freed = True
         return freed
 
     def _current_poller(self) -> Any:
@@ -314,6 +317,7 @@ class Producer:
                 return
             consumer.dead = True
             self._consumers.pop(consumer.cid, None)
+            self._targets = tuple(self._consumers.values())
             self._version += 1
             for slot in consumer.holds:
                 holders = self._holders[slot]
@@ -345,27 +349,31 @@ class Producer:
         raise RingClosedError(f"this ring was closed ({self.closed}); make a new ring with manager.ring(...)")
 
     def acquire(self, owner: Ring, timeout: float | None) -> SlotBuffer:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        if not self._io.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+        io = self._io
+        if not io.acquire(False) and not io.acquire(True, -1 if timeout is None else max(0.0, timeout)):
             raise TimeoutError(f"acquire() waited {timeout:g} s for another thread using this ring")
         try:
-            spin_until = time.monotonic() + self.spin if self.spin else 0.0
+            free = self._free
+            deadline = spin_until = None  # set when the first try finds no free slot
             # Releases are applied only when no slot is free: they wait in the
             # release words meanwhile.
             while True:
-                with self._lock:
-                    if self.closed is not None:
-                        self._raise_closed()
-                    if self._free:
-                        slot = self._free.popleft()
-                        self._state[slot] = _ACQUIRED
-                        self._epoch[slot] += 1
-                        epoch = self._epoch[slot]
-                        readers, self._last[slot] = self._last[slot], []
-                        break
-                if self._collect() or self._apply_deferred():
+                if self.closed is not None:
+                    self._raise_closed()
+                if free:
+                    slot = free.popleft()
+                    self._state[slot] = _ACQUIRED
+                    epoch = self._epoch[slot] = self._epoch[slot] + 1
+                    readers = self._last[slot]
+                    if readers:
+                        self._last[slot] = []
+                    break
+                if self._collect() or (not self._deferred.empty() and self._apply_deferred()):
                     continue
                 now = time.monotonic()
+                if spin_until is None:
+                    spin_until = now + self.spin
+                    deadline = None if timeout is None else now + timeout
                 if now < spin_until:
                     os.sched_yield()  # free: returns at once unless another process waits for this core
                     continue
@@ -386,7 +394,7 @@ class Producer:
             # Made under _io: close() releases the slot buffers only after taking it.
             return SlotBuffer(self.buffers[slot], owner, slot, None, epoch, None, self.unpublished)
         finally:
-            self._io.release()
+            io.release()
 
     def _busy_message(self, timeout: float | None) -> str:
         with self._lock:
@@ -409,18 +417,23 @@ class Producer:
     def publish(self, buf: Buffer, meta: Any, timeout: float | None, stream: int | None = None) -> int:
         if self.closed is not None:
             self._raise_closed()
-        if not isinstance(buf, SlotBuffer) or not isinstance(buf._ring, Ring) or buf._ring._core is not self:
+        ring = getattr(buf, "_ring", None)
+        if not isinstance(buf, SlotBuffer) or not isinstance(ring, Ring) or ring._core is not self:
             raise ValueError("publish() takes a buffer returned by this ring's acquire()")
         if buf._on_release is None:
             raise ValueError(f"slot {buf.slot} was already published or released; acquire() a slot for each publish()")
-        payload = b"" if meta is None else bytes(ForkingPickler.dumps(meta))  # unpicklable meta fails here
-        if len(payload) > MAX_META:
-            raise ValueError(
-                f"meta pickles to {len(payload)} bytes; it travels with every handoff and must stay "
-                f"under {MAX_META} bytes. Put bulk data in the slot itself"
-            )
-        inline = payload if len(payload) <= INLINE_META else None
-        self._await_consumers(timeout)
+        if meta is None:
+            inline: bytes | None = b""
+        else:
+            payload = bytes(ForkingPickler.dumps(meta))  # unpicklable meta fails here
+            if len(payload) > MAX_META:
+                raise ValueError(
+                    f"meta pickles to {len(payload)} bytes; it travels with every handoff and must stay "
+                    f"under {MAX_META} bytes. Put bulk data in the slot itself"
+                )
+            inline = payload if len(payload) <= INLINE_META else None
+        if self._registered < self.wanted:
+            self._await_consumers(timeout)
         slot = buf.slot
         if self._cuda:
             # Consumers wait on this event (per slot), not on the whole device. A stream
@@ -435,24 +448,23 @@ class Producer:
         else:
             recorded = False
         with self._io:
-            with self._lock:
-                if self.closed is not None:
-                    self._raise_closed()
-                if self._state[slot] != _ACQUIRED or self._epoch[slot] != buf._epoch:
-                    raise ValueError(f"slot {slot} is not acquired by this buffer any more; acquire() again")
-                seq = self._published
-                self._published += 1
-                self._seq[slot] = seq
-                targets = list(self._consumers.values())
-                if targets:
-                    self._state[slot] = _PUBLISHED
-                    self._holders[slot] = set(targets)
-                    self._busy.add(slot)
-                    for c in targets:
-                        c.holds.add(slot)
-                else:
-                    self._state[slot] = _FREE
-                    self._free.append(slot)
+            if self.closed is not None:
+                self._raise_closed()
+            if self._state[slot] != _ACQUIRED or self._epoch[slot] != buf._epoch:
+                raise ValueError(f"slot {slot} is not acquired by this buffer any more; acquire() again")
+            seq = self._published
+            self._published = seq + 1
+            self._seq[slot] = seq
+            targets = self._targets  # set by registration after its "registered" went out
+            if targets:
+                self._state[slot] = _PUBLISHED
+                self._holders[slot] = set(targets)
+                self._busy.add(slot)
+                for c in targets:
+                    c.holds.add(slot)
+            else:
+                self._state[slot] = _FREE
+                self._free.append(slot)
             for c in targets:
                 if inline is None:
                     try:
@@ -464,7 +476,7 @@ class Producer:
                 c.head += 1
                 poke(c.wake)
         buf._on_release = None  # published: the slot is the consumers' now, not free
-        Buffer.release(buf)
+        buf._finalizer()  # Buffer.release(): the slot's own reference stays with the ring
         return seq
 
     def _await_consumers(self, timeout: float | None) -> None:
@@ -486,24 +498,27 @@ class Producer:
             self._raise_closed()
 
     def stats(self) -> dict[str, Any]:
-        if self._io.acquire(timeout=1.0):  # another thread blocked in acquire() drains anyway
-            try:
-                if self.closed is None:
-                    self._drain(0)
-            finally:
+        # Another thread blocked in acquire() holds _io and drains anyway; the states are
+        # then read without it (each count is still one list's, read under the GIL).
+        got = self._io.acquire(timeout=1.0)
+        try:
+            if got and self.closed is None:
+                self._drain(0)
+            with self._lock:
+                return {
+                    "slots": self.n,
+                    "free": len(self._free),
+                    "acquired": self._state.count(_ACQUIRED),
+                    "busy": self._state.count(_PUBLISHED),
+                    "consumers": len(self._consumers),
+                    "consumer_pids": sorted(c.pid for c in self._consumers.values()),
+                    "registered": self._registered,
+                    "published": self._published,
+                    "closed": self.closed is not None,
+                }
+        finally:
+            if got:
                 self._io.release()
-        with self._lock:
-            return {
-                "slots": self.n,
-                "free": len(self._free),
-                "acquired": self._state.count(_ACQUIRED),
-                "busy": self._state.count(_PUBLISHED),
-                "consumers": len(self._consumers),
-                "consumer_pids": sorted(c.pid for c in self._consumers.values()),
-                "registered": self._registered,
-                "published": self._published,
-                "closed": self.closed is not None,
-            }
 
     def close(self, reason: str) -> None:
         with self._lock:
@@ -516,6 +531,7 @@ class Producer:
             with self._lock:
                 consumers = list(self._consumers.values())
                 self._consumers.clear()
+                self._targets = ()
                 self._version += 1
             message = bytes([CLOSED]) + reason.encode()
             for c in consumers:

@@ -40,12 +40,13 @@ HOW = (
     f"{RING_TARGETS['4'].limit:g} us, 8 consumers <= {RING_TARGETS['8'].limit:g} us) and whether each backend "
     f"met it. The columns marked *spin* make the ring with `spin={RING_SPIN:g}` (both ends busy-wait on the "
     "shared memory that long before they sleep); their acks still go through the Pipes.\n\n"
-    "`ring_roundtrip` needs no Pipe: a 1-slot ring to one consumer, so each `ring.acquire()` waits for the "
-    "consumer's release of the item published just before. One iteration: `ring.acquire()` (the previous "
-    "item's release), `ring.publish(buf)`; the consumer `ring.get()`s, reads `item.ptr` and releases, and "
-    "never acks otherwise. It is one round trip through the ring's shared memory and eventfds, shown against "
-    f"the Pipe floor's round trip (1 consumer); the *spin* columns (`spin={RING_SPIN:g}`) have the target "
-    f"{SPIN_ROUNDTRIP_TARGET.text()}."
+    "`ring_roundtrip` needs no Pipe: a 1-slot ring to N consumers, so each `ring.acquire()` waits until "
+    "every consumer released the item published just before. One iteration: `ring.acquire()` (the previous "
+    "item's releases), `ring.publish(buf)`; each consumer `ring.get()`s, reads `item.ptr` and releases, and "
+    "never acks otherwise. It is the ring's fan-out with its own acks (the release words and eventfds), shown "
+    "against the Pipe floor at the same N. The *spin* columns (`spin="
+    f"{RING_SPIN:g}`) are judged: 1 consumer {SPIN_ROUNDTRIP_TARGET.text()}, and the fan-out targets above at "
+    "4 and 8 consumers."
 )
 
 
@@ -84,47 +85,57 @@ def _plan_fanout(bench: Bench) -> None:
 def _plan_roundtrip(bench: Bench) -> None:
     columns = bench.gs_columns()
     spin_labels = [f"{label} spin" for label, _, _, _ in columns]
+    rows = bench.rows()
+    targets = {"1": SPIN_ROUNDTRIP_TARGET}
+    targets.update({row: target for row, target in RING_TARGETS.items() if row != "1" and row in rows})
     if not bench.add(
         Scenario(
             ROUNDTRIP,
-            "Ring round trip: a 1-slot ring to one consumer, acquire waits for its release (no Pipe)",
+            "Ring round trip: a 1-slot ring to N consumers, acquire waits for every release (no Pipe)",
             "consumers",
-            ["1"],
+            rows,
             floor=(FLOOR_SCENARIO, PIPE_FLOOR_SYSTEM),
-            targets={"1": SPIN_ROUNDTRIP_TARGET},
+            targets=targets,
             target_systems=spin_labels,
         )
     ):
         return
-    for label, backend, device, skip in columns:
-        bench.task(ROUNDTRIP, label, "1", _bind(ring_roundtrip, bench, backend, device, 0.0), skip)
-        bench.task(ROUNDTRIP, f"{label} spin", "1", _bind(ring_roundtrip, bench, backend, device, RING_SPIN), skip)
+    for n in bench.cfg.consumers:
+        for label, backend, device, skip in columns:
+            bench.task(ROUNDTRIP, label, str(n), _bind(ring_roundtrip, bench, n, backend, device, 0.0), skip)
+            run = _bind(ring_roundtrip, bench, n, backend, device, RING_SPIN)
+            bench.task(ROUNDTRIP, f"{label} spin", str(n), run, skip)
 
 
-def ring_roundtrip(bench: Bench, backend: str, device: int | str, spin: float) -> list[int]:
-    """One iteration: acquire the only slot (the consumer released the last item), publish it."""
+def ring_roundtrip(bench: Bench, n: int, backend: str, device: int | str, spin: float) -> list[int]:
+    """One iteration: acquire the only slot (every consumer released the last item), publish it."""
     import multiprocessing
 
     gpushare = _gpushare()
     m = bench.manager()
-    ring = m.ring(HANDOFF_SHAPE, "float32", device=device, slots=1, consumers=1, backend=backend, spin=spin)
-    a, b = multiprocessing.get_context("spawn").Pipe()
+    ring = m.ring(HANDOFF_SHAPE, "float32", device=device, slots=1, consumers=n, backend=backend, spin=spin)
+    pairs: list[tuple[Any, Any]] = []
     procs: list[Any] = []
     try:
         ctx = gpushare.get_context("spawn")
-        # checkpoints=(): the consumer acks nothing after "ready"; its release is the ack.
-        procs = [ctx.Process(target=_ring_consumer, args=(ring, b, ()), daemon=True, device=device)]
+        pairs = [multiprocessing.get_context("spawn").Pipe() for _ in range(n)]
+        mine = [a for a, _ in pairs]
+        # checkpoints=(): a consumer acks nothing after "ready"; its release is the ack.
+        procs = [ctx.Process(target=_ring_consumer, args=(ring, b, ()), daemon=True, device=device) for _, b in pairs]
 
         def send_stop() -> None:
             with contextlib.suppress(Exception):
                 ring.close()
-            with contextlib.suppress(Exception):
-                a.send(None)
+            for conn in mine:
+                with contextlib.suppress(Exception):
+                    conn.send(None)
 
         try:
-            procs[0].start()
-            b.close()
-            _await_ready(_pipes_poll([a]), procs, 1)
+            for p in procs:
+                p.start()
+            for _, b in pairs:
+                b.close()
+            _await_ready(_pipes_poll(mine), procs, n)
 
             def step(i: int) -> None:
                 buf = ring.acquire(timeout=ACK_TIMEOUT)
@@ -136,9 +147,10 @@ def ring_roundtrip(bench: Bench, backend: str, device: int | str, spin: float) -
     finally:
         with contextlib.suppress(Exception):
             ring.close()
-        for conn in (a, b):
-            with contextlib.suppress(Exception):
-                conn.close()
+        for a, b in pairs:
+            for conn in (a, b):
+                with contextlib.suppress(Exception):
+                    conn.close()
 
 
 def ring_fanout(bench: Bench, n: int, backend: str, device: int | str, spin: float = 0.0) -> list[int]:
