@@ -57,6 +57,14 @@ def hold_everything(ring, results) -> None:
         results.put(("held", len(held)))
 
 
+def announce_then_take_one(ring, up, results) -> None:
+    """Say "up" once unpickling the ring registered this consumer; report the first item's meta."""
+    up.send("up")
+    with ring.get(timeout=30) as item:
+        results.put(item.meta)
+    ring.close()
+
+
 def report_end(ring, results) -> None:
     count = 0
     with ring.get(timeout=30) as first:  # released at exit
@@ -253,6 +261,20 @@ def test_late_consumer_receives_only_later_items(manager, reap) -> None:
     reports = dict((tag, seen) for tag, _, seen, _, _ in (results.get(timeout=30) for _ in range(2)))
     check_in_order(reports["early"], range(6))
     check_in_order(reports["late"], range(3, 6))
+
+
+def test_a_publish_after_registration_reaches_the_new_consumer(manager, reap) -> None:
+    """Once a consumer's unpickling returned, the producer's next publish reaches it: the
+    producer publishes the moment it hears from the consumer, three consumers in turn."""
+    results = mp.Queue()
+    with manager.ring(SHAPE, "float32", device="cpu", slots=2, consumers=0) as ring:
+        for k in range(3):
+            mine, theirs = mp.Pipe()
+            start(reap, announce_then_take_one, ring, theirs, results)
+            assert mine.poll(60), "the consumer did not register"
+            assert mine.recv() == "up"
+            ring.publish(ring.acquire(timeout=30), k, timeout=30)
+            assert results.get(timeout=30) == k
 
 
 def _clean_up_after(pid: int, server_pid: int, dirs: list[str]) -> None:

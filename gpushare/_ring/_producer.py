@@ -3,12 +3,10 @@
 See :mod:`gpushare._ring` for the protocol. Locks: ``_io`` serializes
 everything that touches the slot states, consumer channels and sockets or
 closes them (acquire, publish, stats, close, dropping a consumer); ``_lock``
-guards the consumer table and ``closed``, which registration threads also
-touch. Order: ``_io`` before ``_lock``. ``publish`` reads the consumer
-table through ``_targets``, a tuple that registration replaces (under
-``_lock``) only after the consumer was told it is registered, so it needs
-no ``_lock``. Finalizers only enqueue and wake (``_deferred``), never take
-a lock.
+guards the consumer table (``_consumers``, and ``_targets``, the tuple of
+its values that ``publish`` sends to) and ``closed``, which registration
+threads also touch. Order: ``_io`` before ``_lock``. Finalizers only
+enqueue and wake (``_deferred``), never take a lock.
 """
 
 from __future__ import annotations
@@ -187,8 +185,9 @@ class Producer:
         with self._lock:
             if self.closed is None:
                 try:
-                    # Sent under the lock that publish() snapshots consumers with, so
-                    # no item can reach this consumer before it.
+                    # Sent under the lock that publish() reads _targets under, with the
+                    # update below: no item reaches this consumer before it, and every
+                    # publish that starts after it reaches this consumer.
                     conn.send(("registered",))
                 except OSError as exc:
                     log.warning("gpushare: a ring consumer failed to register: %s", exc)
@@ -455,7 +454,10 @@ class Producer:
             seq = self._published
             self._published = seq + 1
             self._seq[slot] = seq
-            targets = self._targets  # set by registration after its "registered" went out
+            with self._lock:
+                # Registration sends "registered" and adds the consumer under this lock:
+                # every publish that starts after the consumer heard it reaches it.
+                targets = self._targets
             if targets:
                 self._state[slot] = _PUBLISHED
                 self._holders[slot] = set(targets)
