@@ -86,8 +86,9 @@ def _plan_roundtrip(bench: Bench) -> None:
     columns = bench.gs_columns()
     spin_labels = [f"{label} spin" for label, _, _, _ in columns]
     rows = bench.rows()
-    targets = {"1": SPIN_ROUNDTRIP_TARGET}
-    targets.update({row: target for row, target in RING_TARGETS.items() if row != "1" and row in rows})
+    # 1 consumer: the round trip's own target; 4 and 8: the fan-out's.
+    targets = {row: SPIN_ROUNDTRIP_TARGET if row == "1" else target for row, target in RING_TARGETS.items()}
+    targets = {row: target for row, target in targets.items() if row in rows}
     if not bench.add(
         Scenario(
             ROUNDTRIP,
