@@ -701,30 +701,27 @@ def event_synchronize(event: Any, ordinal: int) -> None:
 def stream_idle(ordinal: int, stream: int = 0) -> bool:
     """Whether every piece of work queued on ``stream`` (0: the legacy default stream)
     has finished (``cuStreamQuery``; about a microsecond, never blocks)."""
-    driver, pushed = _enter(ordinal)
-    try:
-        result = driver.cuStreamQuery(_stream(driver, stream))
-    finally:
-        if pushed:
-            driver.cuCtxPopCurrent()
-    if result[0] == driver.CUresult.CUDA_ERROR_NOT_READY:
-        return False
-    _check("cuStreamQuery", result)
-    return True
+    return _finished(ordinal, "cuStreamQuery", _stream(_driver if _driver is not None else _load(), stream))
 
 
 def event_done(event: Any, ordinal: int) -> bool:
     """Whether the work before ``event``'s last record has finished (``cuEventQuery``;
     never blocks). An event never recorded counts as done."""
+    return _finished(ordinal, "cuEventQuery", event)
+
+
+def _finished(ordinal: int, query: str, handle: Any) -> bool:
+    """``driver.<query>(handle)`` (``cuStreamQuery``, ``cuEventQuery``) in device
+    ``ordinal``'s context: True when done, False on CUDA_ERROR_NOT_READY, else raises."""
     driver, pushed = _enter(ordinal)
     try:
-        result = driver.cuEventQuery(event)
+        result = getattr(driver, query)(handle)
     finally:
         if pushed:
             driver.cuCtxPopCurrent()
     if result[0] == driver.CUresult.CUDA_ERROR_NOT_READY:
         return False
-    _check("cuEventQuery", result)
+    _check(query, result)
     return True
 
 
