@@ -91,6 +91,27 @@ def w_unpickle(out, data) -> None:
         out.put(("ok", total(buf)))
 
 
+def w_unpickle_refused(out, data) -> None:
+    """First arrival of an allocation here, under a lease another process claimed."""
+    from gpushare import _lifetime
+
+    def mapped() -> tuple[int, int]:
+        # (cached mappings, host segments still mapped in this process: a mapping
+        # closed unused leaves none)
+        with open("/proc/self/maps") as f:
+            segments = sum("/dev/shm/gpushare-" in line for line in f)
+        return _lifetime.link_stats()["open_mappings"], segments
+
+    try:
+        pickle.loads(data)
+    except mp.GpushareError as exc:
+        kind, message = type(exc).__name__, str(exc)
+    else:
+        kind, message = "ok", ""
+    gc.collect()  # the traceback's frames went with the except block; a host mmap goes when unused
+    out.put((kind, message, mapped()))
+
+
 def w_orphaned_consumer(out, work, ready) -> None:
     """Child of the producer: holds a buffer, then blocks on the producer's queue."""
     buf = work.get(timeout=T)
@@ -277,6 +298,23 @@ def test_consumer_exits_without_releasing(manager, reap, backend) -> None:
     assert proc.exitcode == 0
     wait_until(lambda: manager.stats()["leases"] == 0, timeout=2.0)
     assert manager.stats()["consumers"] == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_refused_first_arrival_maps_nothing(manager, reap, backend) -> None:
+    # The first arrival maps while its claim is answered: a refused claim must close
+    # that mapping unused (nothing cached, nothing the owner would have to unmap).
+    device = device_for(backend)
+    buf = manager.full((N,), 2.0, "float32", device=device, backend=backend)
+    data = pickle.dumps(buf)
+    out = mp.Queue()
+    start(reap, w_unpickle, out, data, device=device)
+    assert recv(out) == ("ok", 2.0 * N)
+    start(reap, w_unpickle_refused, out, data, device=device)
+    kind, message, mapped = recv(out)
+    assert kind == "DescriptorError" and ("unknown" in message or "already claimed" in message)
+    assert mapped == (0, 0)
+    wait_until(lambda: manager.stats()["leases"] == 0)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -5,8 +5,13 @@ requested; the device must report both VMM and POSIX-fd support), reserve
 an address range, map, set access, all aligned to the allocation
 granularity (2 MiB on current GPUs; the Manager rounds sizes to 2 MiB and
 this backend rounds further if a device needs more). The fd is exported
-with ``cuMemExportToShareableHandle`` once per allocation, on first share
-(it costs about 0.7 ms), and kept until the allocation is freed.
+with ``cuMemExportToShareableHandle`` once per allocation and kept until
+the allocation is freed. The export costs about 0.7 ms, so it starts, on
+a background thread, when the allocation is first shared (``export``,
+called as each lease is taken): by the time the first consumer has
+received the descriptor, claimed its lease and asked for the fd, the fd
+is ready or nearly so. ``export_fd`` (the owner's answer to that request)
+waits for an export in progress, or exports itself if none started.
 
 The fd travels with SCM_RIGHTS over the connection between the consumer
 and the owner's lifetime service (never ``pidfd_getfd``, which ordinary
@@ -21,8 +26,11 @@ so a half-built mapping never leaks.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
+import queue
+import threading
 from typing import Any
 
 from .. import _cuda
@@ -32,6 +40,12 @@ from ._cudabase import CudaBackend, placement
 
 __all__ = ["CudaVmmBackend"]
 
+log = logging.getLogger("gpushare")
+
+# native: [generic allocation handle (None once freed), exported fd or None, mapped size,
+# export queued on the background thread]
+_HANDLE, _FD, _SIZE, _QUEUED = range(4)
+
 
 class CudaVmmBackend(CudaBackend):
     name = "cuda_vmm"
@@ -39,6 +53,7 @@ class CudaVmmBackend(CudaBackend):
     def __init__(self) -> None:
         super().__init__()
         self._granularity: dict[int, int] = {}
+        self._ahead: queue.SimpleQueue[_base.Allocation] | None = None  # the exporter thread's work
 
     def check_device(self, device: int) -> None:
         if not _cuda.supports(device, "posix_fd"):
@@ -57,23 +72,51 @@ class CudaVmmBackend(CudaBackend):
         assert device is not None
         size = self._round(nbytes, device)
         ptr, handle = _cuda.vmm_alloc(size, device)
-        # native: [generic allocation handle, exported fd or None, mapped size]
-        return _base.Allocation(self.name, ptr, nbytes, device, _cuda.device_uuid(device), b"", [handle, None, size])
+        return _base.Allocation(
+            self.name, ptr, nbytes, device, _cuda.device_uuid(device), b"", [handle, None, size, False]
+        )
 
     def export(self, allocation: _base.Allocation) -> bytes:
+        """Called as each lease is taken: the first one starts exporting the fd ahead."""
+        native = allocation.native
+        if native[_FD] is None and not native[_QUEUED]:
+            native[_QUEUED] = True
+            self._export_ahead(allocation)
         return b""  # the fd travels separately (export_fd)
+
+    def _export_ahead(self, allocation: _base.Allocation) -> None:
+        with self._lock:
+            if self._ahead is None:
+                self._ahead = queue.SimpleQueue()
+                threading.Thread(
+                    target=self._exporter, args=(self._ahead,), name="gpushare-vmm-export", daemon=True
+                ).start()
+            self._ahead.put(allocation)
+
+    def _exporter(self, work: queue.SimpleQueue[_base.Allocation]) -> None:
+        while True:
+            allocation = work.get()
+            try:
+                self.export_fd(allocation)
+            except Exception as exc:  # freed meanwhile, or a driver error: the request will say
+                log.debug("gpushare: exporting an allocation ahead failed: %r", exc)
 
     def export_fd(self, allocation: _base.Allocation) -> int:
         native = allocation.native
-        with self._lock:  # several consumers may ask at once: export exactly once
-            if native[1] is None:
+        with self._lock:  # the exporter thread and several consumers: export exactly once
+            if native[_HANDLE] is None:
+                raise ValueError("the allocation was freed")
+            if native[_FD] is None:
                 assert allocation.device is not None
-                native[1] = _cuda.vmm_export(native[0], allocation.device)
-        return int(native[1])
+                native[_FD] = _cuda.vmm_export(native[_HANDLE], allocation.device)
+            return int(native[_FD])
 
     def free(self, allocation: _base.Allocation) -> None:
         assert allocation.device is not None
-        handle, fd, size = allocation.native
+        native = allocation.native
+        with self._lock:  # never while the exporter thread exports it
+            handle, fd, size = native[_HANDLE], native[_FD], native[_SIZE]
+            native[_HANDLE] = native[_FD] = None
         _cuda.vmm_free(allocation.ptr, handle, size, allocation.device)
         if fd is not None:
             os.close(fd)

@@ -2,10 +2,12 @@
 
 :meth:`_Channel.request` sends ``(kind, req, ...)`` and waits (up to ``REQUEST_TIMEOUT``)
 for the reader thread (:meth:`_Channel._read_loop`) to hand it ``ok``, ``err`` or ``okfd``
-(then the fd itself, by SCM_RIGHTS). The reader also answers ``unmap`` (closing the
-mapping if no buffer of this process uses it), records ``claim_failed`` refusals, and
-on ``bye``, ``refused`` or a closed socket marks the owner gone, waking every waiter.
-"""
+(then the fd itself, by SCM_RIGHTS); :meth:`_Channel.ask` and :meth:`_Channel.answer` are
+its two halves, for a caller with work to do while the owner answers. The owner serves a
+connection's messages in the order they were sent. The reader also answers ``unmap``
+(closing the mapping if no buffer of this process uses it), records ``claim_failed``
+refusals, and on ``bye``, ``refused`` or a closed socket marks the owner gone, waking
+every waiter."""
 
 from __future__ import annotations
 
@@ -70,21 +72,35 @@ class _Channel(_LinkState):
             raise OwnerGoneError(f"the owner of this buffer is gone ({self.gone})") from exc
 
     def request(self, kind: str, *args: Any) -> Any:
+        return self.answer(self.ask(kind, *args))
+
+    def ask(self, kind: str, *args: Any) -> list[Any]:
+        """Send a request without waiting; :meth:`answer` waits for its reply. Requests
+        are served in the order they were sent, so a later one may depend on it."""
         if self.refused is not None:
             raise DescriptorError(self.refused)
         if self.gone is not None:
             raise OwnerGoneError(f"the owner of this buffer is gone ({self.gone})")
         req = next(self._reqs)
-        slot: list[Any] = [threading.Event(), None, None]
+        slot: list[Any] = [threading.Event(), None, None, req]
         with self._wait_lock:
             self._waiting[req] = slot
         try:
             self._send((kind, req, *args))
+        except BaseException:
+            with self._wait_lock:
+                self._waiting.pop(req, None)
+            raise
+        return slot
+
+    def answer(self, slot: list[Any]) -> Any:
+        """The reply to a request made with :meth:`ask` (raises what the owner refused)."""
+        try:
             if not slot[0].wait(REQUEST_TIMEOUT):
                 raise OwnerGoneError(f"the owner of this buffer did not answer within {REQUEST_TIMEOUT:g} s")
         finally:
             with self._wait_lock:
-                self._waiting.pop(req, None)
+                self._waiting.pop(slot[3], None)
         if slot[1] == "ok":
             return slot[2]
         if slot[1] == "err":

@@ -24,7 +24,7 @@ import weakref
 from dataclasses import dataclass, field
 from multiprocessing import AuthenticationError, connection, current_process, reduction
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 from .. import _cuda
 from .._buffer import Buffer
@@ -63,7 +63,6 @@ class _Consumer:
     wake: int  # its eventfd: one count per item published to it
     events: list[Any] = field(default_factory=list)  # its per-slot release events, opened here (CUDA)
     head: int = 0  # entries published to it
-    holds: set[int] = field(default_factory=set)
     dead: bool = False
 
 
@@ -252,7 +251,6 @@ class Producer:
                 word = c.channel.released(slot, seq)
                 if word:
                     holders.discard(c)
-                    c.holds.discard(slot)
                     if word & RECORDED:
                         self._last[slot].append(c)
             if not holders:
@@ -318,14 +316,13 @@ class Producer:
             self._consumers.pop(consumer.cid, None)
             self._targets = tuple(self._consumers.values())
             self._version += 1
-            for slot in consumer.holds:
+            for slot in tuple(self._busy):  # the slots it still held
                 holders = self._holders[slot]
                 holders.discard(consumer)
                 if not holders and self._state[slot] == _PUBLISHED:
                     self._busy.discard(slot)
                     self._state[slot] = _FREE
                     self._free.append(slot)
-            consumer.holds.clear()
         log.info("gpushare: ring consumer pid %s is gone; its slots are free again", consumer.pid)
         self._close_consumer(consumer)
 
@@ -416,11 +413,12 @@ class Producer:
     def publish(self, buf: Buffer, meta: Any, timeout: float | None, stream: int | None = None) -> int:
         if self.closed is not None:
             self._raise_closed()
-        ring = getattr(buf, "_ring", None)
-        if not isinstance(buf, SlotBuffer) or not isinstance(ring, Ring) or ring._core is not self:
+        # A consumer's items are SlotBuffers too: their _ring is a RingConsumer, which has no _core.
+        if buf.__class__ is not SlotBuffer or getattr(buf._ring, "_core", None) is not self:  # type: ignore[attr-defined]
             raise ValueError("publish() takes a buffer returned by this ring's acquire()")
-        if buf._on_release is None:
-            raise ValueError(f"slot {buf.slot} was already published or released; acquire() a slot for each publish()")
+        item = cast(SlotBuffer, buf)
+        if item._on_release is None:
+            raise ValueError(f"slot {item.slot} was already published or released; acquire() a slot for each publish()")
         if meta is None:
             inline: bytes | None = b""
         else:
@@ -433,7 +431,7 @@ class Producer:
             inline = payload if len(payload) <= INLINE_META else None
         if self._registered < self.wanted:
             self._await_consumers(timeout)
-        slot = buf.slot
+        slot = item.slot
         if self._cuda:
             # Consumers wait on this event (per slot), not on the whole device. A stream
             # with nothing queued has finished every write: the event is left as it is
@@ -449,7 +447,7 @@ class Producer:
         with self._io:
             if self.closed is not None:
                 self._raise_closed()
-            if self._state[slot] != _ACQUIRED or self._epoch[slot] != buf._epoch:
+            if self._state[slot] != _ACQUIRED or self._epoch[slot] != item._epoch:
                 raise ValueError(f"slot {slot} is not acquired by this buffer any more; acquire() again")
             seq = self._published
             self._published = seq + 1
@@ -458,27 +456,30 @@ class Producer:
                 # Registration sends "registered" and adds the consumer under this lock:
                 # every publish that starts after the consumer heard it reaches it.
                 targets = self._targets
-            if targets:
-                self._state[slot] = _PUBLISHED
-                self._holders[slot] = set(targets)
-                self._busy.add(slot)
-                for c in targets:
-                    c.holds.add(slot)
-            else:
-                self._state[slot] = _FREE
-                self._free.append(slot)
+            # The entries go first, the bookkeeping after: a consumer may release the
+            # slot at once, but its release word is read only under _io, held here.
+            dropped = None
             for c in targets:
                 if inline is None:
                     try:
                         send_frame(c.frames.fd, bytes([META]) + payload)  # before its entry
-                    except OSError:  # gone, or stuck for SEND_TIMEOUT: drop it
-                        self._drop(c)
+                    except OSError:  # gone, or stuck for SEND_TIMEOUT: drop it (below)
+                        dropped = [*(dropped or ()), c]
                         continue
                 c.channel.put(c.head, slot, seq, inline, recorded)
                 c.head += 1
                 poke(c.wake)
-        buf._on_release = None  # published: the slot is the consumers' now, not free
-        buf._finalizer()  # Buffer.release(): the slot's own reference stays with the ring
+            if targets:
+                self._state[slot] = _PUBLISHED
+                self._holders[slot] = set(targets)
+                self._busy.add(slot)
+            else:
+                self._state[slot] = _FREE
+                self._free.append(slot)
+            for c in dropped or ():
+                self._drop(c)
+        item._on_release = None  # published: the slot is the consumers' now, not free
+        item._finalizer()  # Buffer.release(): the slot's own reference stays with the ring
         return seq
 
     def _await_consumers(self, timeout: float | None) -> None:
