@@ -185,7 +185,7 @@ class Link(_Recorder):
 
         The owner answers the claim while the memory is being mapped: the open is
         the driver's slow part, and the round trip to the owner costs about as much
-        (about 0.15 ms each on an H100 host). The mapping is used only once the owner
+        (0.15-0.2 ms each on an H100 host). The mapping is used only once the owner
         has accepted the claim, and from then on it counts this process among the
         allocation's mappers, so it frees nothing before this process unmaps. Until
         then a valid lease is what keeps the allocation from being freed or reused:
