@@ -30,6 +30,10 @@ Consumer side (:class:`Link`, one per owner per process)
 * One authenticated Unix-socket connection to the owner (multiprocessing's
   HMAC challenge with the process authkey, both ways, before anything is
   unpickled) and a reader thread for replies and ``unmap`` requests.
+* The first arrival of an allocation sends a ``claim`` and maps the memory
+  while the owner answers; the mapping is used only once the claim is
+  accepted (a refusal unmaps it and raises). The owner then counts this
+  process among the allocation's mappers.
 * Claims of allocations this process already maps, and all releases, are
   records in a shared-memory lease journal (:mod:`gpushare._journal`) that
   the owner reads when it needs to: a steady-state handoff sends no
