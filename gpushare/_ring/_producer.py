@@ -230,11 +230,8 @@ class Producer:
         """Free the slots acquired and released unpublished; True if one went free. Under _io."""
         freed = False
         deferred = self._deferred
-        while not deferred.empty():  # only a thread holding _io takes from it
-            try:
-                slot, epoch = deferred.get_nowait()
-            except queue.Empty:
-                break
+        while not deferred.empty():  # only a thread holding _io takes from it: never Empty
+            slot, epoch = deferred.get_nowait()
             if self._state[slot] == _ACQUIRED and self._epoch[slot] == epoch:
                 self._state[slot] = _FREE
                 self._free.append(slot)
@@ -458,13 +455,13 @@ class Producer:
                 targets = self._targets
             # The entries go first, the bookkeeping after: a consumer may release the
             # slot at once, but its release word is read only under _io, held here.
-            dropped = None
+            dropped: list[_Consumer] = []
             for c in targets:
                 if inline is None:
                     try:
                         send_frame(c.frames.fd, bytes([META]) + payload)  # before its entry
                     except OSError:  # gone, or stuck for SEND_TIMEOUT: drop it (below)
-                        dropped = [*(dropped or ()), c]
+                        dropped.append(c)
                         continue
                 c.channel.put(c.head, slot, seq, inline, recorded)
                 c.head += 1
@@ -476,7 +473,7 @@ class Producer:
             else:
                 self._state[slot] = _FREE
                 self._free.append(slot)
-            for c in dropped or ():
+            for c in dropped:
                 self._drop(c)
         item._on_release = None  # published: the slot is the consumers' now, not free
         item._finalizer()  # Buffer.release(): the slot's own reference stays with the ring
