@@ -95,3 +95,60 @@ def test_per_queue_fan_out_and_ring_round_trip_run_on_the_host(tmp_path: Path) -
     assert roundtrip["rows"] == ["1", "2"] and "## Ring round trip" in markdown
     for name in ("gpushare host", "gpushare host spin"):  # a 1-slot ring to each N, acked by its releases
         assert sorted(roundtrip["systems"][name]["cells"]) == ["1", "2"], roundtrip["systems"][name]
+
+
+def _bench(tmp_path: Path, *args: str, timeout: float = 200) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "gpushare.bench", "--backend", "host", "--quick", "--out", str(tmp_path), *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def test_rounds_pool_every_cell_and_rewrite_the_reports(tmp_path: Path) -> None:
+    """--rounds runs every cell once per round, in order, and each cell's figures are over
+    the samples of all its rounds."""
+    done = _bench(tmp_path, "--iters", "4", "--rounds", "3", "--consumers", "1", "--only", "ring_roundtrip")
+    assert done.returncode == 0, done.stderr
+    assert ": ERROR" not in done.stderr, done.stderr
+    # The floors and the ring's cells, interleaved: round 2 starts after round 1's last cell.
+    lines = [line for line in done.stderr.splitlines() if " | " in line and "skipped" not in line]
+    rounds = [line.split(" ", 1)[0] for line in lines]
+    assert rounds == ["r1"] * 4 + ["r2"] * 4 + ["r3"] * 4, lines
+    assert "round 1 of 3 done; reports written" in done.stderr
+    report = json.loads((tmp_path / "benchmarks.json").read_text(encoding="utf-8"))
+    assert report["meta"]["rounds"] == 3 and report["meta"]["rounds_run"] == 3
+    cells = report["scenarios"]["ring_roundtrip"]["systems"]["gpushare host spin"]["cells"]
+    assert cells["1"]["n"] == 12, cells  # 4 iterations in each of 3 rounds
+    floors = report["scenarios"]["floors"]["systems"]["mp.Pipe"]["cells"]
+    assert floors["1"]["n"] == 12, floors
+    assert "| rounds | 3 of 3 run:" in (tmp_path / "benchmarks.md").read_text(encoding="utf-8")
+
+
+def test_max_seconds_starts_no_round_that_would_overrun(tmp_path: Path) -> None:
+    done = _bench(
+        tmp_path, "--iters", "3", "--rounds", "4", "--max-seconds", "0.01", "--consumers", "1", "--only", "floors"
+    )
+    assert done.returncode == 0, done.stderr
+    assert "round 2 of 4 not started" in done.stderr, done.stderr
+    report = json.loads((tmp_path / "benchmarks.json").read_text(encoding="utf-8"))
+    assert report["meta"]["rounds_run"] == 1
+    assert report["scenarios"]["floors"]["systems"]["mp.Queue"]["cells"]["1"]["n"] == 3
+    assert "| rounds | 1 of 4 run:" in (tmp_path / "benchmarks.md").read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("args", [["--rounds", "0"], ["--max-seconds", "0"]])
+def test_rounds_and_max_seconds_reject_nonsense(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli._parse(args)
+    assert "must be" in capsys.readouterr().err
+
+
+def test_first_share_lists_each_mechanisms_own_reference(tmp_path: Path) -> None:
+    """Without a GPU the references are listed as skipped with the reason, and their
+    ratio columns are in the table; on a GPU they run (the device suite's bench run)."""
+    done = _bench(tmp_path, "--iters", "2", "--only", "first_share")
+    assert done.returncode == 0, done.stderr
+    markdown = (tmp_path / "benchmarks.md").read_text(encoding="utf-8")
+    assert "gpushare cuda_vmm / raw driver, VMM fd" in markdown
+    assert "gpushare cuda_pool / raw driver, IPC pool" in markdown
+    for raw in ("raw driver, VMM fd", "raw driver, IPC pool"):
+        assert f"- {raw}: skipped: run with the host backend" in markdown, markdown

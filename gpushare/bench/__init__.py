@@ -83,7 +83,13 @@ What one iteration is, per scenario (one producer, N consumer processes):
     mapping it and acking, one column per backend. Between iterations (not
     timed) the producer waits for the consumer's lease to come back and
     calls ``m.trim()``, so every iteration allocates, exports and maps new
-    memory.
+    memory. The ratios divide by the bare legacy IPC sequence (``raw
+    driver``: cuMemAlloc, cuIpcGetMemHandle, the handle through a Queue,
+    cuIpcOpenMemHandle, ack), which the target judges; each other mechanism's
+    own bare sequence runs next to it (``raw driver, VMM fd``: create, map,
+    export an fd, one SCM_RIGHTS message, import and map; ``raw driver, IPC
+    pool``: allocate from an IPC pool imported before timing, export the
+    pointer, import it), with a ratio column of its backend to it.
 ``peer_read``
     Only with two or more GPUs and torch. Per backend, the producer fills a
     1 GiB float32 buffer on cuda:0 and sends it to one consumer started
@@ -131,6 +137,15 @@ cell's error and the run goes on. Every wait has a timeout: a consumer that
 dies or stops answering fails its cell, not the run. ``throughput`` times
 whole repeats (one sample per repeat: elapsed time / items) instead of
 single iterations.
+
+``--rounds N`` runs every cell N times, interleaved (all cells in the
+planned order, then all again), and pools each cell's samples over its
+rounds: a floor and the systems divided by it are then measured across
+the same stretch of the run, so a drift of the machine (a neighbour, a
+clock change) moves both sides of a ratio instead of one. The reports are
+rewritten after every round, and ``--max-seconds`` starts no round that
+would end past it at the pace of the rounds so far, so a run cut short
+keeps the rounds it finished.
 
 Layout (``gpushare/bench/``): ``cli`` (the command line and ``main``), ``runner``
 (``Bench``: probe, plan, run), ``scenarios/`` (the registry and one module per scenario

@@ -106,6 +106,20 @@ def _parse(argv: list[str] | None) -> Config:
     )
     parser.add_argument("--iters", type=int, default=None, help="timed iterations per cell (default 300; 100 quick)")
     parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every cell this many times, interleaved (all cells, then all again), and pool each "
+        "cell's samples, so the floors and the systems share the machine's drift (default 1)",
+    )
+    parser.add_argument(
+        "--max-seconds",
+        type=float,
+        default=None,
+        help="start no round that would end past this many seconds at the pace of the rounds so far; "
+        "the reports are rewritten after every round, so the finished rounds count",
+    )
+    parser.add_argument(
         "--consumers", type=_counts, default=CONSUMERS, help="consumer counts, comma-separated (default 1,2,4,8)"
     )
     parser.add_argument(
@@ -123,6 +137,10 @@ def _parse(argv: list[str] | None) -> Config:
     iters = args.iters if args.iters is not None else (100 if args.quick else 300)
     if iters < 1:
         parser.error("--iters must be at least 1")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    if args.max_seconds is not None and args.max_seconds <= 0:
+        parser.error("--max-seconds must be positive")
     only = None
     if args.only:
         only = frozenset(k.strip() for k in args.only.split(",") if k.strip())
@@ -150,6 +168,8 @@ def _parse(argv: list[str] | None) -> Config:
         stream_repeats=STREAM_REPEATS_QUICK if args.quick else STREAM_REPEATS,
         kernel_iters=KERNEL_ITERS_QUICK if args.quick else KERNEL_ITERS,
         kernel_warmup=KERNEL_WARMUP_QUICK if args.quick else KERNEL_WARMUP,
+        rounds=args.rounds,
+        max_seconds=args.max_seconds,
     )
 
 
@@ -158,20 +178,40 @@ def main(argv: list[str] | None = None) -> int:
     bench = Bench(cfg)
     bench.probe()
     bench.plan()
+    rounds = f", {cfg.rounds} rounds" if cfg.rounds > 1 else ""
     _progress(
-        f"gpushare.bench: backend {cfg.backend} ({', '.join(cfg.backends)}), {len(bench.tasks)} cells, "
+        f"gpushare.bench: backend {cfg.backend} ({', '.join(cfg.backends)}), {len(bench.tasks)} cells{rounds}, "
         f"{cfg.iters} iterations each "
         f"({cfg.heavy_iters} for 64 MiB and larger); reports go to {cfg.out}/"
     )
     started = time.monotonic()
-    bench.run()
-    os.makedirs(cfg.out, exist_ok=True)
+    plot_note = ""
+
+    def write(done: int) -> None:
+        nonlocal plot_note
+        bench.meta["elapsed_s"] = round(time.monotonic() - started, 1)
+        plot_note = write_reports(bench, cfg.out)
+        if done < cfg.rounds:
+            _progress(f"gpushare.bench: round {done} of {cfg.rounds} done; reports written to {cfg.out}/")
+
+    bench.run(after_round=write)
+    if not bench.meta["rounds_run"]:  # nothing ran (no tasks planned)
+        write(cfg.rounds)
+    _progress(f"gpushare.bench: done in {bench.meta['elapsed_s']} s; wrote {cfg.out}/benchmarks.md, .json")
+    _progress(plot_note)
+    return 0
+
+
+def write_reports(bench: Bench, out: str) -> str:
+    """Write benchmarks.png, .json and .md from what ``bench`` has so far; return the plot's note.
+
+    A report that fails to render must not lose the measurements: the JSON falls back to
+    the raw results, and the Markdown to a pointer at the JSON."""
+    os.makedirs(out, exist_ok=True)
     try:
-        plot_note = render_plot(bench.scenarios, bench.meta, os.path.join(cfg.out, "benchmarks.png"))
+        plot_note = render_plot(bench.scenarios, bench.meta, os.path.join(out, "benchmarks.png"))
     except Exception as exc:  # a plot must never cost the measurements
         plot_note = f"No plot: drawing it failed ({type(exc).__name__}: {exc})."
-    bench.meta["elapsed_s"] = round(time.monotonic() - started, 1)
-    # A report that fails to render must not lose the measurements: fall back to the raw results.
     try:
         report = render_json(bench.scenarios, bench.meta)
     except Exception as exc:
@@ -180,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
             "render_error": f"{type(exc).__name__}: {exc}",
             "scenarios": {key: asdict(s) for key, s in bench.scenarios.items()},
         }
-    with open(os.path.join(cfg.out, "benchmarks.json"), "w", encoding="utf-8") as f:
+    with open(os.path.join(out, "benchmarks.json"), "w", encoding="utf-8") as f:
         json.dump(report, f, indent=2, default=str)
         f.write("\n")
     try:
@@ -190,8 +230,6 @@ def main(argv: list[str] | None = None) -> int:
             f"# gpushare benchmarks\n\nThe report failed to render ({type(exc).__name__}: {exc}); "
             "every measurement is in benchmarks.json.\n"
         )
-    with open(os.path.join(cfg.out, "benchmarks.md"), "w", encoding="utf-8") as f:
+    with open(os.path.join(out, "benchmarks.md"), "w", encoding="utf-8") as f:
         f.write(markdown)
-    _progress(f"gpushare.bench: done in {bench.meta['elapsed_s']} s; wrote {cfg.out}/benchmarks.md, .json")
-    _progress(plot_note)
-    return 0
+    return plot_note

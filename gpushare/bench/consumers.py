@@ -2,9 +2,10 @@
 
 Each consumer sets itself up, says ``("ready", pid)``, then loops: get an item, touch it
 (its device pointer or first element), let it go, ack -- on a Queue (``_queue_consumer``,
-``_raw_open_consumer``, ``_torch_consumer``) or on its own Pipe (``_pipe_consumer``,
-``_ring_consumer``, ``_stream_consumer``). A failure is sent as ``("error", text)``, so the
-producer fails that cell, not the run; a sentinel (None) or the producer's exit stops it.
+``_raw_open_consumer``, ``_raw_vmm_consumer``, ``_raw_pool_consumer``, ``_torch_consumer``) or
+on its own Pipe (``_pipe_consumer``, ``_ring_consumer``, ``_stream_consumer``). A failure is
+sent as ``("error", text)``, so the producer fails that cell, not the run; a sentinel (None)
+or the producer's exit stops it.
 """
 
 from __future__ import annotations
@@ -117,6 +118,73 @@ def _raw_open_consumer(work: Any, acks: Any, device: int) -> None:
             return
         acks.put(1)
         _cuda.ipc_close(ptr, device)
+        acks.put("closed")
+
+
+def _raw_vmm_consumer(sock: Any, acks: Any, device: int) -> None:
+    """``first_share``'s VMM reference consumer: each message on ``sock`` carries an
+    allocation's size and its exported fd; import and map it, ack, unmap, say so."""
+    import socket
+    import struct
+
+    try:
+        from gpushare import _cuda
+
+        _cuda.make_current(device)
+    except BaseException as exc:
+        acks.put(("error", f"consumer setup failed: {type(exc).__name__}: {exc}"))
+        return
+    acks.put(("ready", os.getpid()))
+    while True:
+        data, fds, _, _ = socket.recv_fds(sock, 8, 1)
+        if len(data) != 8 or len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            return  # the stop message (or the producer's end closed)
+        (nbytes,) = struct.unpack("q", data)
+        try:
+            ptr, handle = _cuda.vmm_import(fds[0], nbytes, [device])
+        except BaseException as exc:
+            acks.put(("error", f"cuMemImportFromShareableHandle + map failed: {type(exc).__name__}: {exc}"))
+            return
+        finally:
+            os.close(fds[0])
+        acks.put(1)
+        _cuda.vmm_free(ptr, handle, nbytes, device)
+        acks.put("closed")
+
+
+def _raw_pool_consumer(sock: Any, work: Any, acks: Any, device: int) -> None:
+    """``first_share``'s IPC-pool reference consumer: import the producer's pool once (its fd
+    on ``sock``), then import each exported pointer from ``work``, ack, free it, say so."""
+    import socket
+
+    try:
+        from gpushare import _cuda
+
+        _cuda.make_current(device)
+        _, fds, _, _ = socket.recv_fds(sock, 1, 1)
+        if len(fds) != 1:
+            raise RuntimeError("the producer sent no pool fd")
+        try:
+            pool = _cuda.pool_import(fds[0], [device], device)
+        finally:
+            os.close(fds[0])
+    except BaseException as exc:
+        acks.put(("error", f"consumer setup failed: {type(exc).__name__}: {exc}"))
+        return
+    acks.put(("ready", os.getpid()))
+    while True:
+        data = work.get()
+        if data is None:
+            return
+        try:
+            ptr = _cuda.pool_import_pointer(pool, data, device)
+        except BaseException as exc:
+            acks.put(("error", f"cuMemPoolImportPointer failed: {type(exc).__name__}: {exc}"))
+            return
+        acks.put(1)
+        _cuda.pool_free(ptr, device)
         acks.put("closed")
 
 

@@ -57,6 +57,12 @@ def render_markdown(scenarios: dict[str, Scenario], meta: dict[str, Any], plot_n
         f"| iterations | {meta['iters']} timed after {meta['warmup']} warm-up "
         f"({meta['heavy_iters']} for 64 MiB and larger){'; --quick' if meta['quick'] else ''} |"
     )
+    rounds, run = meta.get("rounds", 1), meta.get("rounds_run", 1)
+    if rounds > 1 or run > 1:
+        lines.append(
+            f"| rounds | {run} of {rounds} run: every cell once per round, in the same order; a cell's median "
+            "and p90 are over its samples of all rounds |"
+        )
     lines += [
         "",
         "## How measured",

@@ -37,6 +37,7 @@ class Bench:
         self.gpu_reason: str | None = None  # why CUDA scenarios cannot run; None when they can
         self.device: int | None = None
         self.gpu_count = 0
+        self._pooled: dict[tuple[str, str, str], list[int]] = {}  # every round's samples, per cell
 
     # -- environment -----------------------------------------------------------------
     def probe(self) -> None:
@@ -79,6 +80,8 @@ class Bench:
             "warmup": cfg.warmup,
             "heavy_iters": cfg.heavy_iters,
             "quick": cfg.quick,
+            "rounds": cfg.rounds,
+            "rounds_run": 0,
         }
         if gpu_ok:
             with contextlib.suppress(Exception):
@@ -136,69 +139,119 @@ class Bench:
         self.tasks.append(Task(scenario, system, row, run, skip))
 
     # -- run -----------------------------------------------------------------------
-    def run(self) -> None:
+    def run(self, after_round: Callable[[int], None] | None = None) -> None:
+        """Run every task once per round, in the planned order; ``after_round(r)`` after each.
+
+        With several rounds, a cell's samples are pooled over the rounds it ran in: each
+        round measures every system and its floor minutes apart at most, so a slow drift
+        of the machine moves both sides of a ratio alike, instead of one of them. A round
+        is not started when ``cfg.max_seconds`` would be exceeded at the pace of the rounds
+        so far (the first always runs). A cell that fails or is skipped is not retried.
+        """
+        cfg = self.cfg
+        started = time.monotonic()
+        with self.stack:
+            for r in range(1, cfg.rounds + 1):
+                if r > 1 and cfg.max_seconds is not None:
+                    elapsed = time.monotonic() - started
+                    if elapsed / (r - 1) * r > cfg.max_seconds:
+                        _progress(
+                            f"gpushare.bench: round {r} of {cfg.rounds} not started: at {elapsed / (r - 1):.0f} s "
+                            f"per round it would end past --max-seconds {cfg.max_seconds:g}"
+                        )
+                        break
+                self._run_round(r)
+                self.meta["rounds_run"] = r
+                if after_round is not None:
+                    after_round(r)
+
+    def _run_round(self, r: int) -> None:
         total = len(self.tasks)
         width = len(str(total))
-        with self.stack:
-            for index, t in enumerate(self.tasks, 1):
-                scenario = self.scenarios[t.scenario]
-                series = None if t.system is None else scenario.systems[t.system]
-                head = f"[{index:>{width}}/{total}] {t.scenario} | {t.system or 'all'} | {t.row}"
-                if t.skip is not None or t.run is None:
-                    reason = t.skip or "not run"
-                    if series is not None:
-                        series.skipped = reason
-                    else:
-                        scenario.row_skips[t.row] = reason
+        tag = f"r{r} " if self.cfg.rounds > 1 else ""
+        for index, t in enumerate(self.tasks, 1):
+            scenario = self.scenarios[t.scenario]
+            series = None if t.system is None else scenario.systems[t.system]
+            head = f"{tag}[{index:>{width}}/{total}] {t.scenario} | {t.system or 'all'} | {t.row}"
+            if t.skip is not None or t.run is None:
+                reason = t.skip or "not run"
+                if series is not None:
+                    series.skipped = reason
+                else:
+                    scenario.row_skips[t.row] = reason
+                if r == 1:
                     _progress(f"{head}: skipped ({reason})")
-                    continue
-                if series is not None and series.skipped is not None:
-                    # An earlier row found this column's backend unavailable.
+                continue
+            if series is not None and series.skipped is not None:
+                # An earlier row (or round) found this column's backend unavailable.
+                if r == 1:
                     _progress(f"{head}: skipped ({series.skipped})")
-                    continue
-                started = time.monotonic()
-                try:
-                    samples = t.run()
-                except Exception as exc:
-                    message = f"{type(exc).__name__}: {exc}"
-                    unavailable = _unavailable(exc)
-                    if series is None:
-                        (scenario.row_skips if unavailable else scenario.row_errors)[t.row] = message
-                    elif unavailable and not series.cells and not series.errors:
-                        series.skipped = message  # the whole column: its backend cannot run here
-                    else:
-                        series.errors[t.row] = message
-                    _progress(f"{head}: skipped ({message})" if unavailable else f"{head}: ERROR {message}")
-                    continue
-                try:
-                    summary = _record(scenario, series, t.row, samples, time.monotonic() - started)
-                except Exception as exc:  # malformed samples: that cell's error, not the run's
-                    message = f"could not record the samples: {type(exc).__name__}: {exc}"
-                    (scenario.row_errors if series is None else series.errors)[t.row] = message
-                    _progress(f"{head}: ERROR {message}")
-                    continue
-                _progress(f"{head}: {summary}")
+                continue
+            if (series.errors if series is not None else scenario.row_errors).get(t.row) is not None or (
+                series is None and t.row in scenario.row_skips
+            ):
+                continue  # failed or skipped in an earlier round: its message stands
+            started = time.monotonic()
+            try:
+                samples = t.run()
+            except Exception as exc:
+                message = f"{type(exc).__name__}: {exc}"
+                unavailable = _unavailable(exc)
+                if series is None:
+                    (scenario.row_skips if unavailable else scenario.row_errors)[t.row] = message
+                    self._drop_row(scenario, t.row)
+                elif unavailable and not series.cells and not series.errors:
+                    series.skipped = message  # the whole column: its backend cannot run here
+                else:
+                    series.errors[t.row] = message
+                    series.cells.pop(t.row, None)  # an error stands over earlier rounds' samples
+                    self._pooled.pop((t.scenario, t.system or "", t.row), None)
+                _progress(f"{head}: skipped ({message})" if unavailable else f"{head}: ERROR {message}")
+                continue
+            try:
+                summary = self._record(scenario, t.system, t.row, samples, time.monotonic() - started)
+            except Exception as exc:  # malformed samples: that cell's error, not the run's
+                message = f"could not record the samples: {type(exc).__name__}: {exc}"
+                (scenario.row_errors if series is None else series.errors)[t.row] = message
+                _progress(f"{head}: ERROR {message}")
+                continue
+            _progress(f"{head}: {summary}")
+
+    def _drop_row(self, scenario: Scenario, row: str) -> None:
+        for name, series in scenario.systems.items():
+            if series.cells.pop(row, None) is not None:
+                self._pooled.pop((scenario.key, name, row), None)
+
+    def _record(self, scenario: Scenario, system: str | None, row: str, samples: Samples, took: float) -> str:
+        """Pool one run's samples into its cell(s); return the progress line (this run's own figures)."""
+        if isinstance(samples, dict):
+            parts = []
+            for name, values in samples.items():
+                _check_samples(values)
+                self._pool(scenario, name, row, values)
+                parts.append(f"{name} {_fmt_gbps(_gbps(scenario, Cell.of(values)))} GB/s")
+            return f"{'; '.join(parts)} ({took:.1f} s)"
+        if system is None:
+            raise BenchError("a task that fills several systems must return samples per system")
+        _check_samples(samples)
+        self._pool(scenario, system, row, samples)
+        cell = Cell.of(samples)
+        if scenario.kind == "rate":
+            return (
+                f"{_fmt_rate(_rate(cell))} items/s ({cell.median_us:.1f} us per item; median of {cell.n} repeats, "
+                f"{took:.1f} s)"
+            )
+        return f"median {cell.median_us:.1f} us, p90 {cell.p90_us:.1f} us ({cell.n} iters, {took:.1f} s)"
+
+    def _pool(self, scenario: Scenario, system: str, row: str, samples: list[int]) -> None:
+        pooled = self._pooled.setdefault((scenario.key, system, row), [])
+        pooled.extend(samples)
+        scenario.systems.setdefault(system, Series()).cells[row] = Cell.of(pooled)
 
 
-def _record(scenario: Scenario, series: Series | None, row: str, samples: Samples, took: float) -> str:
-    """Store one cell's samples (or one row's, per system); return the progress line."""
-    if isinstance(samples, dict):
-        parts = []
-        for system, values in samples.items():
-            cell = Cell.of(values)
-            scenario.systems.setdefault(system, Series()).cells[row] = cell
-            parts.append(f"{system} {_fmt_gbps(_gbps(scenario, cell))} GB/s")
-        return f"{'; '.join(parts)} ({took:.1f} s)"
-    if series is None:
-        raise BenchError("a task that fills several systems must return samples per system")
-    cell = Cell.of(samples)
-    series.cells[row] = cell
-    if scenario.kind == "rate":
-        return (
-            f"{_fmt_rate(_rate(cell))} items/s ({cell.median_us:.1f} us per item; median of {cell.n} repeats, "
-            f"{took:.1f} s)"
-        )
-    return f"median {cell.median_us:.1f} us, p90 {cell.p90_us:.1f} us ({cell.n} iters, {took:.1f} s)"
+def _check_samples(samples: Any) -> None:
+    if not isinstance(samples, list) or not samples:
+        raise BenchError(f"expected a non-empty list of samples, got {type(samples).__name__}")
 
 
 def _nvidia_driver() -> str | None:

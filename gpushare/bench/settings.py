@@ -59,7 +59,9 @@ PIPE_FLOOR_SYSTEM = "mp.Pipe"
 RING_SLOTS = 4
 RING_GET_TIMEOUT = 1.0  # seconds a consumer's get() waits before it checks for a stop request
 FIRST_SHARE_TARGET = Target("ratio_max", 2.0)  # 2 MiB, to the raw driver sequence (issue 9)
-RAW_DRIVER = "raw driver"
+RAW_DRIVER = "raw driver"  # the legacy IPC sequence: first_share's floor
+RAW_VMM = "raw driver, VMM fd"  # cuda_vmm's own bare sequence, shown next to it
+RAW_POOL = "raw driver, IPC pool"  # cuda_pool's
 RING_TARGETS = {"1": Target("ratio_max", 1.0), "4": Target("us_max", 60.0), "8": Target("us_max", 100.0)}  # issue 9
 RING_SPIN = 0.005  # seconds: the spin= of the ring's "spin" columns (both ends busy-wait that long)
 
@@ -116,6 +118,8 @@ class Config:
     stream_repeats: int = STREAM_REPEATS
     kernel_iters: int = KERNEL_ITERS
     kernel_warmup: int = KERNEL_WARMUP
+    rounds: int = 1  # every task runs once per round; a cell pools its rounds' samples
+    max_seconds: float | None = None  # no round is started that would end past this
 
 
 def _cuda_core() -> Any:
