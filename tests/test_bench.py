@@ -152,3 +152,129 @@ def test_first_share_lists_each_mechanisms_own_reference(tmp_path: Path) -> None
     assert "gpushare cuda_pool / raw driver, IPC pool" in markdown
     for raw in ("raw driver, VMM fd", "raw driver, IPC pool"):
         assert f"- {raw}: skipped: run with the host backend" in markdown, markdown
+
+
+class _FakeDriver:
+    """Stands in for ``gpushare._cuda`` in the raw references' own logic: allocations are
+    ids, exported fds are real (memfds), and every open must be closed and every
+    allocation freed."""
+
+    def __init__(self) -> None:
+        self.ids = iter(range(1, 1_000_000))
+        self.live: set[int] = set()  # the producer's allocations
+        self.mapped: set[int] = set()  # the consumer's opens
+        self.events: list[str] = []
+
+    def _new(self) -> int:
+        ptr = next(self.ids)
+        self.live.add(ptr)
+        return ptr
+
+    def _fd(self) -> int:
+        return os.memfd_create("fake-export", os.MFD_CLOEXEC)
+
+    # legacy IPC
+    def mem_alloc(self, nbytes: int, ordinal: int) -> int:
+        return self._new()
+
+    def ipc_get_handle(self, ptr: int, ordinal: int) -> bytes:
+        return ptr.to_bytes(64, "little")
+
+    def mem_free(self, ptr: int, ordinal: int) -> None:
+        self.live.remove(ptr)
+
+    def ipc_open(self, handle: bytes, device: int) -> int:
+        ptr = int.from_bytes(handle, "little")
+        assert ptr in self.live, "opened memory the producer does not hold"
+        self.mapped.add(ptr)
+        return ptr
+
+    def ipc_close(self, ptr: int, device: int) -> None:
+        self.mapped.remove(ptr)
+
+    # VMM
+    def vmm_alloc(self, nbytes: int, ordinal: int) -> tuple[int, str]:
+        ptr = self._new()
+        return ptr, f"handle-{ptr}"
+
+    def vmm_export(self, handle: str, ordinal: int) -> int:
+        fd = self._fd()
+        os.write(fd, handle.encode())
+        return fd
+
+    def vmm_import(self, fd: int, nbytes: int, ordinals: list[int]) -> tuple[int, str]:
+        os.lseek(fd, 0, os.SEEK_SET)
+        handle = os.read(fd, 64).decode()  # the fd that arrived is the one exported
+        ptr = int(handle.split("-")[1])
+        assert ptr in self.live and nbytes == 2 * 1024 * 1024
+        self.mapped.add(ptr)
+        return ptr, handle
+
+    def vmm_free(self, ptr: int, handle: str, nbytes: int, ordinal: int) -> None:
+        (self.mapped if ptr in self.mapped else self.live).remove(ptr)
+
+    # IPC pools
+    def pool_create(self, ordinal: int) -> tuple[str, int]:
+        self.events.append("pool_create")
+        return "pool", self._fd()
+
+    def pool_import(self, fd: int, ordinals: list[int], home: int | None) -> str:
+        os.fstat(fd)
+        self.events.append("pool_import")
+        return "imported-pool"
+
+    def pool_alloc(self, pool: str, nbytes: int, ordinal: int) -> tuple[int, bytes]:
+        ptr = self._new()
+        return ptr, ptr.to_bytes(64, "little")
+
+    def pool_import_pointer(self, pool: str, data: bytes, device: int) -> int:
+        assert pool == "imported-pool", "a pointer was imported before its pool"
+        ptr = int.from_bytes(data, "little")
+        self.mapped.add(ptr)
+        return -ptr  # the consumer's own address for it
+
+    def pool_free(self, ptr: int, ordinal: int) -> None:
+        (self.mapped if ptr < 0 and -ptr in self.mapped else self.live).remove(abs(ptr))
+
+    def pool_trim(self, pool: str, ordinal: int) -> None:
+        self.events.append("trim")
+
+    def pool_destroy(self, pool: str, ordinal: int) -> None:
+        self.events.append("pool_destroy")
+
+
+@pytest.mark.parametrize("mechanism", ["_RawIpc", "_RawVmm", "_RawPool"])
+def test_raw_references_open_close_and_free_everything(mechanism: str) -> None:
+    """Each first-share reference's producer and consumer halves, with a stand-in for the
+    driver (the real calls run in the GPU suite's benchmark): what the producer shares
+    reaches the consumer intact, fds travel and are closed on both sides, and every
+    allocation and mapping is given back."""
+    import multiprocessing
+
+    from gpushare.bench import consumers
+    from gpushare.bench.scenarios import first_share
+
+    ctx = multiprocessing.get_context("spawn")
+    ctx.Queue().close()  # the first Queue of a process starts the resource tracker (one fd for good)
+    fds_before = len(os.listdir("/proc/self/fd"))
+    driver = _FakeDriver()
+    raw = getattr(first_share, mechanism)(ctx, driver)
+    take, open_, close = consumers._RAW_KINDS[raw.kind](driver, raw.consumer_work(), raw.sock, 0)
+    for _ in range(3):
+        held = raw.share(2 * 1024 * 1024)
+        mapped = open_(take())
+        assert driver.mapped, "the consumer's open mapped nothing"
+        close(mapped)
+        assert not driver.mapped
+        raw.free(held, 2 * 1024 * 1024)
+        raw.settled()
+    assert not driver.live
+    raw.work.put(None)  # what settled_loop sends to stop the consumer
+    assert take() is None
+    raw.close()
+    if hasattr(raw.work, "close"):
+        raw.work.close()
+        raw.work.join_thread()
+    assert len(os.listdir("/proc/self/fd")) == fds_before, "an fd was left open"
+    if raw.kind == "pool":
+        assert driver.events == ["pool_create", "pool_import", "trim", "trim", "trim", "pool_destroy"]

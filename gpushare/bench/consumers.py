@@ -2,7 +2,7 @@
 
 Each consumer sets itself up, says ``("ready", pid)``, then loops: get an item, touch it
 (its device pointer or first element), let it go, ack -- on a Queue (``_queue_consumer``,
-``_raw_open_consumer``, ``_raw_vmm_consumer``, ``_raw_pool_consumer``, ``_torch_consumer``) or
+``_raw_reference_consumer``, ``_torch_consumer``) or
 on its own Pipe (``_pipe_consumer``, ``_ring_consumer``, ``_stream_consumer``). A failure is
 sent as ``("error", text)``, so the producer fails that cell, not the run; a sentinel (None)
 or the producer's exit stops it.
@@ -97,95 +97,80 @@ def _queue_consumer(kind: str, work: Any, acks: Any, device: int | None, extra: 
         acks.put(1)
 
 
-def _raw_open_consumer(work: Any, acks: Any, device: int) -> None:
-    """``first_share``'s reference consumer: open each IPC handle, ack, close, say so."""
+def _raw_reference_consumer(kind: str, work: Any, acks: Any, device: int, sock: Any = None) -> None:
+    """``first_share``'s reference consumer for one mechanism: take each shared
+    allocation, open it with the bare driver calls, ack, close it, say ``"closed"``.
+
+    ``kind`` ``"ipc"``: a 64-byte IPC handle per item on ``work``. ``"vmm"``: the size
+    and an exported fd in one SCM_RIGHTS message per item on ``sock`` (imported, mapped).
+    ``"pool"``: the producer's pool fd once on ``sock`` (imported before "ready"), then
+    a pointer's 64 export bytes per item on ``work``."""
     try:
         from gpushare import _cuda
 
         _cuda.make_current(device)
+        take, open_, close = _RAW_KINDS[kind](_cuda, work, sock, device)
     except BaseException as exc:
         acks.put(("error", f"consumer setup failed: {type(exc).__name__}: {exc}"))
         return
     acks.put(("ready", os.getpid()))
     while True:
-        handle = work.get()
-        if handle is None:
+        item = take()
+        if item is None:
             return
         try:
-            ptr = _cuda.ipc_open(handle, device)
+            mapped = open_(item)
         except BaseException as exc:
-            acks.put(("error", f"cuIpcOpenMemHandle failed: {type(exc).__name__}: {exc}"))
+            acks.put(("error", f"opening the {kind} allocation failed: {type(exc).__name__}: {exc}"))
             return
         acks.put(1)
-        _cuda.ipc_close(ptr, device)
+        close(mapped)
         acks.put("closed")
 
 
-def _raw_vmm_consumer(sock: Any, acks: Any, device: int) -> None:
-    """``first_share``'s VMM reference consumer: each message on ``sock`` carries an
-    allocation's size and its exported fd; import and map it, ack, unmap, say so."""
+_Raw = tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]  # take, open, close
+
+
+def _raw_ipc(cuda: Any, work: Any, sock: Any, device: int) -> _Raw:
+    return work.get, lambda handle: cuda.ipc_open(handle, device), lambda ptr: cuda.ipc_close(ptr, device)
+
+
+def _raw_vmm(cuda: Any, work: Any, sock: Any, device: int) -> _Raw:
     import socket
     import struct
 
-    try:
-        from gpushare import _cuda
-
-        _cuda.make_current(device)
-    except BaseException as exc:
-        acks.put(("error", f"consumer setup failed: {type(exc).__name__}: {exc}"))
-        return
-    acks.put(("ready", os.getpid()))
-    while True:
+    def take() -> tuple[int, int] | None:
         data, fds, _, _ = socket.recv_fds(sock, 8, 1)
         if len(data) != 8 or len(fds) != 1:
             for fd in fds:
                 os.close(fd)
-            return  # the stop message (or the producer's end closed)
-        (nbytes,) = struct.unpack("q", data)
+            return None  # the stop message (or the producer's end closed)
+        return struct.unpack("q", data)[0], fds[0]
+
+    def open_(item: tuple[int, int]) -> tuple[int, Any, int]:
+        nbytes, fd = item
         try:
-            ptr, handle = _cuda.vmm_import(fds[0], nbytes, [device])
-        except BaseException as exc:
-            acks.put(("error", f"cuMemImportFromShareableHandle + map failed: {type(exc).__name__}: {exc}"))
-            return
+            return (*cuda.vmm_import(fd, nbytes, [device]), nbytes)
         finally:
-            os.close(fds[0])
-        acks.put(1)
-        _cuda.vmm_free(ptr, handle, nbytes, device)
-        acks.put("closed")
+            os.close(fd)
+
+    return take, open_, lambda mapped: cuda.vmm_free(*mapped, device)
 
 
-def _raw_pool_consumer(sock: Any, work: Any, acks: Any, device: int) -> None:
-    """``first_share``'s IPC-pool reference consumer: import the producer's pool once (its fd
-    on ``sock``), then import each exported pointer from ``work``, ack, free it, say so."""
+def _raw_pool(cuda: Any, work: Any, sock: Any, device: int) -> _Raw:
     import socket
 
+    _, fds, _, _ = socket.recv_fds(sock, 1, 1)
+    if len(fds) != 1:
+        raise RuntimeError("the producer sent no pool fd")
     try:
-        from gpushare import _cuda
+        pool = cuda.pool_import(fds[0], [device], device)
+    finally:
+        os.close(fds[0])
+    return work.get, lambda data: cuda.pool_import_pointer(pool, data, device), lambda ptr: cuda.pool_free(ptr, device)
 
-        _cuda.make_current(device)
-        _, fds, _, _ = socket.recv_fds(sock, 1, 1)
-        if len(fds) != 1:
-            raise RuntimeError("the producer sent no pool fd")
-        try:
-            pool = _cuda.pool_import(fds[0], [device], device)
-        finally:
-            os.close(fds[0])
-    except BaseException as exc:
-        acks.put(("error", f"consumer setup failed: {type(exc).__name__}: {exc}"))
-        return
-    acks.put(("ready", os.getpid()))
-    while True:
-        data = work.get()
-        if data is None:
-            return
-        try:
-            ptr = _cuda.pool_import_pointer(pool, data, device)
-        except BaseException as exc:
-            acks.put(("error", f"cuMemPoolImportPointer failed: {type(exc).__name__}: {exc}"))
-            return
-        acks.put(1)
-        _cuda.pool_free(ptr, device)
-        acks.put("closed")
+
+_RAW_KINDS = {"ipc": _raw_ipc, "vmm": _raw_vmm, "pool": _raw_pool}
 
 
 def _torch_consumer(work: Any, results: Any, device: int, measure: Callable[..., Any], warmup: int, iters: int) -> None:

@@ -8,7 +8,7 @@ import struct
 import time
 from typing import TYPE_CHECKING, Any
 
-from ..consumers import _queue_consumer, _raw_open_consumer, _raw_pool_consumer, _raw_vmm_consumer
+from ..consumers import _queue_consumer, _raw_reference_consumer
 from ..fmt import _gs_label, _size_label
 from ..harness import _check_ack, _get_ack
 from ..patterns import settled_loop
@@ -124,44 +124,44 @@ def first_share(bench: Bench, nbytes: int, backend: str, device: int | str) -> l
     return samples
 
 
-def first_share_raw(bench: Bench, nbytes: int) -> list[int]:
-    """The driver's own first-share sequence, the reference for ``first_share``."""
-    import multiprocessing
+class _RawIpc:
+    """The legacy IPC sequence (the target's reference): cuMemAlloc, cuIpcGetMemHandle,
+    the handle on ``work``. Each mechanism: ``share`` (timed; returns what to free),
+    ``free`` and ``settled`` (untimed, once the consumer closed), ``close``."""
 
-    from gpushare import _cuda
+    kind = "ipc"
 
-    ctx = multiprocessing.get_context("spawn")
-    work = ctx.Queue()
-    acks = ctx.Queue()
-    proc = ctx.Process(target=_raw_open_consumer, args=(work, acks, 0), daemon=True)
-    held: list[int] = []
-    heavy = nbytes >= 64 * MiB
+    def __init__(self, ctx: Any, cuda: Any) -> None:
+        self.cuda = cuda
+        self.work = ctx.Queue()
+        self.sock: socket.socket | None = None  # the consumer's end, if the mechanism has one
 
-    def settle() -> None:
-        # The consumer closes its mapping, then the producer frees: the next
-        # allocation is memory the consumer never opened.
-        while held:
-            ack = _get_ack(acks, [proc])
-            if ack != "closed":
-                raise BenchError(f"the raw-driver consumer sent {ack!r} instead of 'closed'")
-            _cuda.mem_free(held.pop(), 0)
+    def share(self, nbytes: int) -> Any:
+        ptr = self.cuda.mem_alloc(nbytes, 0)
+        try:
+            self.work.put(self.cuda.ipc_get_handle(ptr, 0))
+        except BaseException:
+            self.cuda.mem_free(ptr, 0)
+            raise
+        return ptr
 
-    def step(i: int) -> None:
-        ptr = _cuda.mem_alloc(nbytes, 0)
-        held.append(ptr)
-        work.put(_cuda.ipc_get_handle(ptr, 0))
-        _check_ack(_get_ack(acks, [proc]))
+    def free(self, ptr: Any, nbytes: int) -> None:
+        self.cuda.mem_free(ptr, 0)
 
-    try:
-        return settled_loop(bench, proc, work, acks, step, settle, heavy)
-    finally:
-        while held:
-            _cuda.mem_free(held.pop(), 0)
+    def consumer_work(self) -> Any:
+        """What the consumer reads items from besides ``sock`` (None: only ``sock``)."""
+        return self.work
+
+    def settled(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 class _FdSender:
-    """``settled_loop``'s work queue for the VMM reference: ``put((nbytes, fd))`` sends both in one
-    SCM_RIGHTS message; ``put(None)`` sends the stop message (no fd)."""
+    """The VMM reference's work queue: ``put((nbytes, fd))`` sends both in one SCM_RIGHTS
+    message; ``put(None)`` (``settled_loop``'s stop) sends a message with no fd."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -172,93 +172,133 @@ class _FdSender:
         else:
             socket.send_fds(self.sock, [struct.pack("q", item[0])], [item[1]])
 
+
+class _RawVmm(_RawIpc):
+    """cuMemCreate, reserve, map, set access, cuMemExportToShareableHandle, and the fd
+    with the size in one SCM_RIGHTS message on a socketpair."""
+
+    kind = "vmm"
+
+    def __init__(self, ctx: Any, cuda: Any) -> None:
+        self.cuda = cuda
+        ours, self.sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.work = _FdSender(ours)
+
+    def share(self, nbytes: int) -> Any:
+        ptr, handle = self.cuda.vmm_alloc(nbytes, 0)
+        try:
+            fd = self.cuda.vmm_export(handle, 0)
+            try:
+                self.work.put((nbytes, fd))
+            finally:
+                os.close(fd)
+        except BaseException:
+            self.cuda.vmm_free(ptr, handle, nbytes, 0)
+            raise
+        return ptr, handle
+
+    def free(self, held: Any, nbytes: int) -> None:
+        self.cuda.vmm_free(*held, nbytes, 0)
+
+    def consumer_work(self) -> Any:
+        return None  # the items travel on the socket (our end must not go to the consumer)
+
     def close(self) -> None:
+        self.work.sock.close()
+        assert self.sock is not None
         self.sock.close()
 
 
-def first_share_raw_vmm(bench: Bench, nbytes: int) -> list[int]:
-    """cuda_vmm's bare first share: create, map, export an fd, send it, import and map."""
+class _RawPool(_RawIpc):
+    """cuMemAllocFromPoolAsync from an IPC pool the consumer imported before timing,
+    cuMemPoolExportPointer, the 64 bytes on ``work``; the pool trimmed to 0 once settled."""
+
+    kind = "pool"
+
+    def __init__(self, ctx: Any, cuda: Any) -> None:
+        super().__init__(ctx, cuda)
+        ours, self.sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.pool, fd = cuda.pool_create(0)
+        try:
+            # Queued before the consumer starts: it imports the pool before it says it is ready.
+            socket.send_fds(ours, [b"p"], [fd])
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            os.close(fd)
+            ours.close()
+
+    def share(self, nbytes: int) -> Any:
+        ptr, data = self.cuda.pool_alloc(self.pool, nbytes, 0)
+        try:
+            self.work.put(data)
+        except BaseException:
+            self.cuda.pool_free(ptr, 0)
+            raise
+        return ptr
+
+    def free(self, ptr: Any, nbytes: int) -> None:
+        self.cuda.pool_free(ptr, 0)
+
+    def settled(self) -> None:
+        self.cuda.pool_trim(self.pool, 0)  # as m.trim(): the next allocation grows the pool
+
+    def close(self) -> None:
+        assert self.sock is not None
+        self.sock.close()
+        self.cuda.pool_destroy(self.pool, 0)
+
+
+def _raw_sequence(bench: Bench, nbytes: int, mechanism: type[_RawIpc]) -> list[int]:
+    """One mechanism's bare first share, timed like ``first_share``: allocate, export, send,
+    the consumer opens and acks. Between iterations (untimed) the consumer closes, then the
+    producer frees, so every allocation is memory the consumer never opened."""
     import multiprocessing
 
     from gpushare import _cuda
 
     ctx = multiprocessing.get_context("spawn")
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    work = _FdSender(ours)
+    raw = mechanism(ctx, _cuda)
     acks = ctx.Queue()
-    proc = ctx.Process(target=_raw_vmm_consumer, args=(theirs, acks, 0), daemon=True)
-    held: list[tuple[int, Any]] = []
-    heavy = nbytes >= 64 * MiB
+    proc = ctx.Process(
+        target=_raw_reference_consumer, args=(raw.kind, raw.consumer_work(), acks, 0, raw.sock), daemon=True
+    )
+    held: list[Any] = []
 
     def settle() -> None:
         while held:
             ack = _get_ack(acks, [proc])
             if ack != "closed":
                 raise BenchError(f"the raw-driver consumer sent {ack!r} instead of 'closed'")
-            ptr, handle = held.pop()
-            _cuda.vmm_free(ptr, handle, nbytes, 0)
+            raw.free(held.pop(), nbytes)
+        raw.settled()
 
     def step(i: int) -> None:
-        ptr, handle = _cuda.vmm_alloc(nbytes, 0)
-        held.append((ptr, handle))
-        fd = _cuda.vmm_export(handle, 0)
-        try:
-            work.put((nbytes, fd))
-        finally:
-            os.close(fd)
+        held.append(raw.share(nbytes))
         _check_ack(_get_ack(acks, [proc]))
 
     try:
-        samples = settled_loop(bench, proc, work, acks, step, settle, heavy)
+        return settled_loop(bench, proc, raw.work, acks, step, settle, nbytes >= 64 * MiB)
     finally:
-        theirs.close()
-        work.close()
         while held:
-            ptr, handle = held.pop()
-            _cuda.vmm_free(ptr, handle, nbytes, 0)
-    return samples
+            raw.free(held.pop(), nbytes)
+        raw.close()
+
+
+def first_share_raw(bench: Bench, nbytes: int) -> list[int]:
+    """The legacy IPC sequence: the reference the target is judged on."""
+    return _raw_sequence(bench, nbytes, _RawIpc)
+
+
+def first_share_raw_vmm(bench: Bench, nbytes: int) -> list[int]:
+    """cuda_vmm's own bare sequence."""
+    return _raw_sequence(bench, nbytes, _RawVmm)
 
 
 def first_share_raw_pool(bench: Bench, nbytes: int) -> list[int]:
-    """cuda_pool's bare first share: allocate from an IPC pool, export the pointer, import it."""
-    import multiprocessing
-
-    from gpushare import _cuda
-
-    ctx = multiprocessing.get_context("spawn")
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    work = ctx.Queue()
-    acks = ctx.Queue()
-    proc = ctx.Process(target=_raw_pool_consumer, args=(theirs, work, acks, 0), daemon=True)
-    held: list[int] = []
-    heavy = nbytes >= 64 * MiB
-    pool, pool_fd = _cuda.pool_create(0)
-
-    def settle() -> None:
-        while held:
-            ack = _get_ack(acks, [proc])
-            if ack != "closed":
-                raise BenchError(f"the raw-driver consumer sent {ack!r} instead of 'closed'")
-            _cuda.pool_free(held.pop(), 0)
-        _cuda.pool_trim(pool, 0)
-
-    def step(i: int) -> None:
-        ptr, data = _cuda.pool_alloc(pool, nbytes, 0)
-        held.append(ptr)
-        work.put(data)
-        _check_ack(_get_ack(acks, [proc]))
-
-    try:
-        # Queued before the consumer starts: it imports the pool before it says it is ready.
-        socket.send_fds(ours, [b"p"], [pool_fd])
-        return settled_loop(bench, proc, work, acks, step, settle, heavy)
-    finally:
-        for sock in (ours, theirs):
-            sock.close()
-        os.close(pool_fd)
-        while held:
-            _cuda.pool_free(held.pop(), 0)
-        _cuda.pool_destroy(pool, 0)
+    """cuda_pool's own bare sequence."""
+    return _raw_sequence(bench, nbytes, _RawPool)
 
 
 _MECHANISMS = ((RAW_VMM, "cuda_vmm", first_share_raw_vmm), (RAW_POOL, "cuda_pool", first_share_raw_pool))
