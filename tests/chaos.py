@@ -20,7 +20,7 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 
 import gpushare as mp
 from gpushare import _lifetime
@@ -38,25 +38,44 @@ def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-def shm_segments(pids: Iterable[int]) -> list[str]:
-    """The host backend's segments made by any of ``pids`` that still exist."""
-    return sorted(p for pid in pids for p in glob.glob(f"/dev/shm/gpushare-{int(pid)}-*"))
+def shm_segments(pids: Iterable[int], before: Collection[str] = ()) -> list[str]:
+    """The host backend's segments made by any of ``pids`` that still exist (not in ``before``)."""
+    return sorted(p for pid in pids for p in glob.glob(f"/dev/shm/gpushare-{int(pid)}-*") if p not in before)
 
 
-def socket_dirs(pids: Iterable[int]) -> list[str]:
-    """gpushare's socket directories (owner, ring, ...) made by any of ``pids`` that still exist."""
+def socket_dirs(pids: Iterable[int], before: Collection[str] = ()) -> list[str]:
+    """gpushare's socket directories (owner, ring, ...) made by any of ``pids`` that still exist
+    (not in ``before``)."""
     root = tempfile.gettempdir()
-    return sorted(p for pid in pids for p in glob.glob(os.path.join(root, f"gpushare-*-{int(pid)}-*")))
+    return sorted(
+        p for pid in pids for p in glob.glob(os.path.join(root, f"gpushare-*-{int(pid)}-*")) if p not in before
+    )
 
 
 def alive(pids: Iterable[int]) -> list[int]:
     return sorted(pid for pid in pids if process_alive(pid, sentinel=False))
 
 
-def leftovers(pids: Iterable[int]) -> dict[str, list]:
-    """Everything the processes ``pids`` made that is still there (empty lists: nothing leaked)."""
+def existing() -> frozenset[str]:
+    """Every gpushare segment and socket directory there now, whoever made it.
+
+    A run passes these to :func:`leftovers` as ``before``: they are not its leftovers,
+    even where one of its processes reuses the pid in their names (pids wrap at
+    ``pid_max``). A process killed together with its whole group (its Manager's server
+    too) leaves such files, because no watchdog outlives it."""
+    root = tempfile.gettempdir()
+    return frozenset(glob.glob("/dev/shm/gpushare-*") + glob.glob(os.path.join(root, "gpushare-*")))
+
+
+def leftovers(pids: Iterable[int], before: Collection[str] = ()) -> dict[str, list]:
+    """Everything the processes ``pids`` made that is still there (empty lists: nothing
+    leaked), leaving out the paths in ``before`` (see :func:`existing`)."""
     pids = list(pids)
-    return {"processes": alive(pids), "shm": shm_segments(pids), "socket_dirs": socket_dirs(pids)}
+    return {
+        "processes": alive(pids),
+        "shm": shm_segments(pids, before),
+        "socket_dirs": socket_dirs(pids, before),
+    }
 
 
 def wait_for(predicate: Callable[[], object], timeout: float, interval: float = 0.02) -> float | None:

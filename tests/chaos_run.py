@@ -44,7 +44,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for chaos.py when run as a script
 
-from chaos import leftovers, snapshot, wait_for
+from chaos import existing, leftovers, snapshot, wait_for
 
 import gpushare as mp
 
@@ -156,6 +156,7 @@ def _run(backend: str, seconds: float, seed: int, kill_every: float) -> dict[str
     device = device_of(backend)
     expired = 0
     pids: set[int] = set()
+    before = existing()  # not this run's, whatever pids their names carry
     counts = {"queue_produced": 0, "ring_produced": 0, "kills": 0, "restarts": 0}
     dead: list[Worker] = []
     abandoned: list[Any] = []
@@ -256,8 +257,8 @@ def _run(backend: str, seconds: float, seed: int, kill_every: float) -> dict[str
         expired = sum(1 for w in caught if issubclass(w.category, mp.LeaseExpiredWarning))
         other_warnings = [str(w.message) for w in caught if not issubclass(w.category, mp.LeaseExpiredWarning)]
     survivor_exitcodes = sorted({w.proc.exitcode for w in workers})
-    wait_for(lambda: not any(leftovers(pids).values()), 5.0)
-    left = leftovers(pids)
+    wait_for(lambda: not any(leftovers(pids, before).values()), 5.0)
+    left = leftovers(pids, before)
     ring_runs = []
     for w in workers + dead:
         if w.kind != "ring" or not w.got:

@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from multiprocessing import resource_tracker
 
 import pytest
-from chaos import CALL_BOUND, GONE_BOUND, SLOTS, leftovers, snapshot, w_consumer, w_producer, wait_for
+from chaos import CALL_BOUND, GONE_BOUND, SLOTS, existing, leftovers, snapshot, w_consumer, w_producer, wait_for
 from conftest import BACKENDS, ROOT, device_for, guarded, subprocess_env
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
@@ -135,6 +135,7 @@ class LifetimeMachine(RuleBasedStateMachine):
         self.producer_proc = None
         self.ring: RingModel | None = None
         self.pids: set[int] = set()
+        self.before = existing()  # segments and directories that are not this run's
         self.procs: list = []
         self.queues = list(self.mailboxes)
         self.next_id = 0
@@ -450,7 +451,7 @@ class LifetimeMachine(RuleBasedStateMachine):
         if e.owner == "process":
             e.values.clear()
             self.expect_gone([e.server_pid], f"the server of killed producer {e.pid}")
-            took = wait_for(lambda: not leftovers([e.pid])["shm"], GONE_BOUND)
+            took = wait_for(lambda: not leftovers([e.pid], self.before)["shm"], GONE_BOUND)
             assert took is not None, f"/dev/shm segments of killed producer {e.pid} remain"
         else:
             for key in list(e.values):
@@ -466,8 +467,8 @@ class LifetimeMachine(RuleBasedStateMachine):
         assert took is not None, f"{what} is still alive {GONE_BOUND} s later"
 
     def expect_no_dirs(self, pid: int) -> None:
-        took = wait_for(lambda: not leftovers([pid])["socket_dirs"], GONE_BOUND)
-        assert took is not None, f"socket directories of dead pid {pid} remain: {leftovers([pid])}"
+        took = wait_for(lambda: not leftovers([pid], self.before)["socket_dirs"], GONE_BOUND)
+        assert took is not None, f"socket directories of dead pid {pid} remain: {leftovers([pid], self.before)}"
 
     # -- invariants -------------------------------------------------------------------
     def expected_stats(self) -> dict[str, int]:
@@ -558,8 +559,8 @@ class LifetimeMachine(RuleBasedStateMachine):
         for proc in self.procs:
             proc.join(timeout=CALL_BOUND)
             assert proc.exitcode is not None, f"process {proc.pid} did not exit"
-        took = wait_for(lambda: not any(leftovers(self.pids).values()), GONE_BOUND)
-        assert took is not None, f"left behind: {leftovers(self.pids)}"
+        took = wait_for(lambda: not any(leftovers(self.pids, self.before).values()), GONE_BOUND)
+        assert took is not None, f"left behind: {leftovers(self.pids, self.before)}"
 
 
 RESULTS: list[dict] = []

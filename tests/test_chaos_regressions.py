@@ -13,6 +13,11 @@ protocol left something behind, and checks that nothing is left now.
    ``/dev/shm`` until the resource tracker exited, that is until the whole
    process tree ended: a producer restarted under a long-lived parent
    filled ``/dev/shm``.
+3. A chaos run reported "left behind" for a segment and a socket directory
+   that were there before it started: an earlier process, killed with its
+   whole group, had left them, and a consumer of the run got the same pid
+   (pids wrap at ``pid_max``). Leftovers are now what a run made, not every
+   file that carries one of its pids.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import threading
 import time
 
 import pytest
-from chaos import shm_segments, wait_for
+from chaos import existing, leftovers, shm_segments, wait_for
 from conftest import BACKENDS, device_for, guarded, recv
 
 import gpushare as mp
@@ -118,3 +123,31 @@ def test_a_killed_owners_shared_memory_is_unlinked(reap) -> None:
     control.put("go")
     _, touched, _, _ = recv(out)
     assert touched == "OwnerGoneError"
+
+
+def test_files_there_before_a_run_are_not_its_leftovers() -> None:
+    """Regression 3: a stale segment and socket directory named for a pid the run reuses."""
+    import tempfile
+
+    proc = mp.Process(target=time.sleep, args=(0.1,))
+    proc.start()
+    pid = proc.pid
+    proc.join(timeout=T)
+    stale_shm = f"/dev/shm/gpushare-{pid}-stale-1"
+    stale_dir = tempfile.mkdtemp(prefix=f"gpushare-owner-{pid}-")
+    try:
+        with open(stale_shm, "wb"):
+            pass
+        before = existing()
+        assert stale_shm in before and stale_dir in before
+        assert leftovers([pid]) == {"processes": [], "shm": [stale_shm], "socket_dirs": [stale_dir]}
+        assert leftovers([pid], before) == {"processes": [], "shm": [], "socket_dirs": []}
+        # What appears after the snapshot is still found.
+        fresh = tempfile.mkdtemp(prefix=f"gpushare-ring-{pid}-")
+        try:
+            assert leftovers([pid], before)["socket_dirs"] == [fresh]
+        finally:
+            os.rmdir(fresh)
+    finally:
+        os.unlink(stale_shm)
+        os.rmdir(stale_dir)
