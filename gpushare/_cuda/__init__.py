@@ -715,10 +715,7 @@ def stream_idle(ordinal: int, stream: int = 0) -> bool:
     """Whether every piece of work queued on ``stream`` (0: the legacy default stream)
     has finished (``cuStreamQuery``; about a microsecond, never blocks)."""
     driver = _driver if _driver is not None else _load()
-    handle = _streams.get(stream)
-    if handle is None:
-        handle = _stream(driver, stream)
-    return _finished(driver, ordinal, "cuStreamQuery", driver.cuStreamQuery, handle)
+    return _finished(driver, ordinal, "cuStreamQuery", driver.cuStreamQuery, _stream(driver, stream))
 
 
 def event_done(event: Any, ordinal: int) -> bool:

@@ -194,9 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         if done < cfg.rounds:
             _progress(f"gpushare.bench: round {done} of {cfg.rounds} done; reports written to {cfg.out}/")
 
-    bench.run(after_round=write)
-    if not bench.meta["rounds_run"]:  # nothing ran (no tasks planned)
-        write(cfg.rounds)
+    bench.run(after_round=write)  # the first round always runs, so the reports are written
     _progress(f"gpushare.bench: done in {bench.meta['elapsed_s']} s; wrote {cfg.out}/benchmarks.md, .json")
     _progress(plot_note)
     return 0
