@@ -53,6 +53,9 @@ def _no_default_context() -> Any:
 default_context: Callable[[], Any] = _no_default_context
 
 
+_DTYPE_NAMES: dict[Any, str] = {}  # dtype -> its name, for allocation labels (few dtypes exist)
+
+
 def round_size(nbytes: int) -> int:
     return max(1, math.ceil(nbytes / GRANULARITY)) * GRANULARITY
 
@@ -179,7 +182,10 @@ class BufferManager(SyncManager):
         if nbytes > _MAX_BYTES:
             raise OutOfMemoryError(f"shape {dims} of {dt} needs {nbytes} bytes, more than any device holds")
         chosen, ordinal = _backends.resolve(device, backend or self._default_backend)
-        label = f"{dims} {dt} on {'cpu' if ordinal is None else f'cuda:{ordinal}'}"
+        name = _DTYPE_NAMES.get(dt)
+        if name is None:  # NumPy formats a dtype's name slowly: a few microseconds per buffer
+            name = _DTYPE_NAMES.setdefault(dt, str(dt))
+        label = f"{dims} {name} on {'cpu' if ordinal is None else f'cuda:{ordinal}'}"
         if self._owner_mode == "server":
             uuid = None
             if ordinal is not None:

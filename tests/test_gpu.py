@@ -555,3 +555,36 @@ def test_consumer_waits_for_a_long_running_producer_kernel(
     assert (low, high) == (7.0, 7.0), f"consumer read before the producer's kernel finished ({how})"
     del t
     _join(proc)
+
+
+def test_queries_keep_the_gil_and_agree_with_the_bindings() -> None:
+    """``stream_idle`` and ``event_done`` answer through the GIL-keeping queries on the
+    driver cuda-bindings loaded, and give cuda-bindings' own answers, busy and idle."""
+    torch = _require("torch")
+    t = torch.zeros(1 << 20, device="cuda:0")
+    event, _ = _cuda.event_create_ipc(0)  # loads the driver here, if no test did before
+    queries, driver = _cuda._queries, _cuda._driver
+    assert queries is not None, "libcuda.so.1 was not found for the GIL-keeping queries"
+    try:
+        for busy in (True, False):
+            if busy:
+                fill_behind_a_running_kernel(torch, t, 1.0)
+            _cuda.event_record(event, 0)  # behind the kernel when busy
+            if not busy:
+                torch.cuda.synchronize()  # the record itself done too
+            key = _cuda._primary_ints[0]
+            answers = {
+                "stream, kept": queries.done(key, queries.stream, 0),
+                "event, kept": queries.done(key, queries.event, int(event)),
+                "stream, bindings": _cuda._finished(
+                    driver, 0, "cuStreamQuery", driver.cuStreamQuery, _cuda._stream(driver, 0)
+                ),
+                "event, bindings": _cuda._finished(driver, 0, "cuEventQuery", driver.cuEventQuery, event),
+                "stream_idle": _cuda.stream_idle(0),
+                "event_done": _cuda.event_done(event, 0),
+            }
+            assert answers == dict.fromkeys(answers, not busy), f"busy={busy}: {answers}"
+            torch.cuda.synchronize()
+    finally:
+        _cuda.event_destroy(event, 0)
+    assert float(t[0]) == 1.0

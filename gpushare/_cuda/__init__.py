@@ -20,12 +20,21 @@ Protocol of this layer:
 * Handles cross the process boundary as bytes. cuda-bindings changed the
   fields of ``CUipcMemHandle`` between releases, so bytes are copied
   through the struct's address with ctypes, which works on 12.x and 13.x.
+* The per-handoff queries (``cuCtxGetCurrent``, ``cuStreamQuery``,
+  ``cuEventQuery``: :func:`stream_idle`, :func:`event_done`) keep the GIL.
+  cuda-bindings releases it around every driver call, which lets another
+  thread (a Queue's feeder, woken by the put before) take it in the middle
+  of a put for a call that lasts a microsecond. These three never block,
+  so they are called through ``ctypes.PyDLL`` on the driver library that
+  cuda-bindings loaded (:class:`_Queries`); every other call, and these
+  when that library cannot be found that way, go through cuda-bindings.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -70,6 +79,7 @@ _ordinals: dict[bytes, int] = {}  # device UUID -> ordinal here (every first map
 _count: int | None = None
 _success: Any = None  # CUresult.CUDA_SUCCESS and CUDA_ERROR_NOT_READY, set by _load
 _not_ready: Any = None
+_queries: _Queries | None = None  # the per-handoff queries that keep the GIL, set by _load
 
 _NO_GPU_HINT = (
     "Use device='cpu' (or set GPUSHARE_BACKEND=host) to share host memory instead, "
@@ -79,7 +89,7 @@ _NO_GPU_HINT = (
 
 def _load() -> Any:
     """Import cuda.bindings and run cuInit once; raise NoDeviceError if impossible."""
-    global _driver, _init_error, _success, _not_ready
+    global _driver, _init_error, _success, _not_ready, _queries
     if _driver is not None:
         return _driver
     with _lock:
@@ -107,6 +117,7 @@ def _load() -> Any:
             )
             raise _init_error
         _success, _not_ready = driver.CUresult.CUDA_SUCCESS, driver.CUresult.CUDA_ERROR_NOT_READY
+        _queries = _Queries.load()
         _driver = driver
         return driver
 
@@ -715,6 +726,11 @@ def stream_idle(ordinal: int, stream: int = 0) -> bool:
     """Whether every piece of work queued on ``stream`` (0: the legacy default stream)
     has finished (``cuStreamQuery``; about a microsecond, never blocks)."""
     driver = _driver if _driver is not None else _load()
+    queries = _queries
+    if queries is not None:
+        done = queries.done(_primary_ints.get(ordinal), queries.stream, stream)
+        if done is not None:
+            return done
     return _finished(driver, ordinal, "cuStreamQuery", driver.cuStreamQuery, _stream(driver, stream))
 
 
@@ -722,17 +738,22 @@ def event_done(event: Any, ordinal: int) -> bool:
     """Whether the work before ``event``'s last record has finished (``cuEventQuery``;
     never blocks). An event never recorded counts as done."""
     driver = _driver if _driver is not None else _load()
+    queries = _queries
+    if queries is not None:
+        done = queries.done(_primary_ints.get(ordinal), queries.event, int(event))
+        if done is not None:
+            return done
     return _finished(driver, ordinal, "cuEventQuery", driver.cuEventQuery, event)
 
 
 def _finished(driver: Any, ordinal: int, name: str, query: Any, handle: Any) -> bool:
     """``query(handle)`` (``cuStreamQuery``, ``cuEventQuery``) in device ``ordinal``'s
-    context: True when done, False on CUDA_ERROR_NOT_READY, else raises.
+    context, through cuda-bindings: True when done, False on CUDA_ERROR_NOT_READY,
+    else raises.
 
-    Each handoff asks once or twice, so the common case (the primary context already
-    current on this thread) is checked inline: one ``cuCtxGetCurrent``, the query, and
-    two comparisons with results cached at load, about half of what going through
-    :func:`_enter` cost."""
+    The common case (the primary context already current on this thread) is
+    checked inline: one ``cuCtxGetCurrent``, the query, and two comparisons with
+    results cached at load, about half of what going through :func:`_enter` cost."""
     key = _primary_ints.get(ordinal)
     if key is not None:
         err, current = driver.cuCtxGetCurrent()
@@ -752,6 +773,62 @@ def _finished(driver: Any, ordinal: int, name: str, query: Any, handle: Any) -> 
         return False
     _check(name, result)
     return True
+
+
+_CUDA_SUCCESS = 0
+_CUDA_ERROR_NOT_READY = 600
+
+
+class _Queries:
+    """``cuCtxGetCurrent``, ``cuStreamQuery`` and ``cuEventQuery`` called with the GIL held.
+
+    ``ctypes.PyDLL`` calls a C function without releasing the GIL (see the
+    module's docstring for why these should not release it). The library is the
+    ``libcuda.so.1`` cuda-bindings already loaded in this process
+    (``RTLD_NOLOAD`` never loads a second copy), so its handles are valid here.
+    Not used when cuda-bindings runs on the per-thread default stream
+    (``CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM``), since these plain symbols
+    name the legacy one.
+    """
+
+    __slots__ = ("ctx", "event", "stream")
+
+    def __init__(self, lib: Any) -> None:
+        self.ctx = lib.cuCtxGetCurrent
+        self.ctx.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+        self.stream = lib.cuStreamQuery
+        self.event = lib.cuEventQuery
+        for fn in (self.stream, self.event):
+            fn.argtypes = [ctypes.c_void_p]
+        for fn in (self.ctx, self.stream, self.event):
+            fn.restype = ctypes.c_int
+
+    @classmethod
+    def load(cls, library: str = "libcuda.so.1") -> _Queries | None:
+        """The queries on the driver library already loaded, or None (use cuda-bindings)."""
+        if os.environ.get("CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM", "0") not in ("", "0"):
+            return None
+        try:
+            return cls(ctypes.PyDLL(library, mode=getattr(os, "RTLD_NOLOAD", 0) | ctypes.RTLD_LOCAL))
+        except (OSError, AttributeError):  # not loaded under that name, or not a CUDA driver
+            return None
+
+    def done(self, key: int | None, query: Any, handle: int) -> bool | None:
+        """``query(handle)`` when the primary context ``key`` is current on this thread:
+        True when done, False when not yet; None when this cannot answer (another
+        context current, or an error: the caller asks again through cuda-bindings,
+        which sets the context or reports the error with its name)."""
+        if key is None:
+            return None
+        current = ctypes.c_void_p()
+        if self.ctx(current) != _CUDA_SUCCESS or current.value != key:
+            return None
+        err = query(handle)
+        if err == _CUDA_SUCCESS:
+            return True
+        if err == _CUDA_ERROR_NOT_READY:
+            return False
+        return None
 
 
 def stream_wait_event(stream: int, event: Any, ordinal: int) -> None:

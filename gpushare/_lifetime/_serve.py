@@ -73,10 +73,14 @@ class _Service(_Unmapper):
             for lease_id, why in refused:
                 peer.send(("claim_failed", lease_id, why))
         elif kind == "claim":
+            # A first arrival waits for this answer: its own journal was read above, and
+            # no other consumer's record bears on it (a rival claim of the same lease
+            # is refused if read second), so the other journals wait for the next
+            # reader (every 0.2 s at most, the housekeeper).
             _, req, lease_id, alloc_id = message
             try:
                 with self._lock:
-                    self._drain_locked()
+                    self._drain_locked(journals=False)
                     self._claim(lease_id, alloc_id, peer.conn_id)
                 peer.send(("ok", req, None))
             except DescriptorError as exc:
