@@ -808,8 +808,11 @@ class _Queries:
         """The queries on the driver library already loaded, or None (use cuda-bindings)."""
         if os.environ.get("CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM", "0") not in ("", "0"):
             return None
+        no_load = getattr(os, "RTLD_NOLOAD", None)
+        if no_load is None:  # no way to ask for the copy already loaded only
+            return None
         try:
-            return cls(ctypes.PyDLL(library, mode=getattr(os, "RTLD_NOLOAD", 0) | ctypes.RTLD_LOCAL))
+            return cls(ctypes.PyDLL(library, mode=no_load | ctypes.RTLD_LOCAL))
         except (OSError, AttributeError):  # not loaded under that name, or not a CUDA driver
             return None
 
