@@ -83,6 +83,12 @@ Who frees what
   :meth:`Ring.close` sends ``CLOSED`` to every consumer and releases the
   ring's own references; consumers release theirs when they read
   ``CLOSED``; the Manager recycles each slot when the last reference goes.
+* Items take no reference of their own. Each end keeps one Buffer per
+  slot, and a slot has at most one item out in an end (acquired and not
+  yet published in the producer; got and not yet released in a consumer),
+  so an end that closes keeps the Buffer of a slot whose item is still
+  out, and releases it when that item goes. An item costs no reference
+  count and no finalizer object, and stays usable until it is released.
 
 Waiting for consumers
 ---------------------

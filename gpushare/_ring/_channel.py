@@ -163,15 +163,18 @@ class Channel:
         at = self._at[index % self.slots]
         mm = self.mm
         length = META_ON_SOCKET if meta is None else len(meta)
-        head = _BODY.pack(sequence, slot | SLOT_RECORDED if recorded else slot, length)
-        mm[at + 8 : at + _ENTRY_HEAD.size] = head
+        if recorded:
+            slot |= SLOT_RECORDED
         # The index seeds the checksum, so a stale entry of an earlier lap fails it;
         # crc32 runs on, so head and meta need not be joined first.
-        check = zlib.crc32(head, index & 0xFFFFFFFF)
+        check = zlib.crc32(_BODY.pack(sequence, slot, length), index & 0xFFFFFFFF)
         if meta:
             mm[at + _ENTRY_HEAD.size : at + _ENTRY_HEAD.size + len(meta)] = meta
             check = zlib.crc32(meta, check)
-        _WORD.pack_into(mm, at, ((index + 1) & 0xFFFFFFFF) << 32 | check)  # last: the entry is complete when it checks
+        # One store for the stamp and the body: the order in which they become visible
+        # does not matter, since a consumer takes the entry only when the stamp's
+        # checksum matches what it read.
+        _ENTRY_HEAD.pack_into(mm, at, ((index + 1) & 0xFFFFFFFF) << 32 | check, sequence, slot, length)
 
     def take(self, index: int) -> tuple[int, int, bytes | None] | None:
         """Entry ``index`` as ``(slot, sequence, meta bytes or None if on the socket)``, or
@@ -179,21 +182,20 @@ class Channel:
         ``SLOT_RECORDED`` if the producer set it."""
         at = self._at[index % self.slots]
         mm = self.mm
-        stamp, _, _, length = _ENTRY_HEAD.unpack_from(mm, at)
+        stamp, sequence, slot, length = _ENTRY_HEAD.unpack_from(mm, at)
         if stamp >> 32 != (index + 1) & 0xFFFFFFFF:
             return None
-        body = mm[at + 8 : at + _ENTRY_HEAD.size + (0 if length == META_ON_SOCKET else min(length, INLINE_META))]
-        if zlib.crc32(body, index & 0xFFFFFFFF) != stamp & 0xFFFFFFFF:
-            return None  # torn: still being written
-        sequence, slot, length = _BODY.unpack_from(body)  # the fields the checksum covered
-        if length == META_ON_SOCKET:
-            return slot, sequence, None
-        return slot, sequence, body[_BODY.size :]
-
-    def ready(self, index: int) -> bool:
-        """Whether entry ``index`` looks written (cheap; :meth:`take` checks it fully)."""
-        at = self._at[index % self.slots]
-        return bool(_WORD.unpack_from(self.mm, at)[0] >> 32 == (index + 1) & 0xFFFFFFFF)
+        # The fields as read, packed again, are what the producer's checksum covered.
+        check = zlib.crc32(_BODY.pack(sequence, slot, length), index & 0xFFFFFFFF)
+        if not length or length == META_ON_SOCKET:
+            if check != stamp & 0xFFFFFFFF:
+                return None  # torn: still being written
+            return slot, sequence, None if length else b""
+        start = at + _ENTRY_HEAD.size
+        meta = mm[start : start + min(length, INLINE_META)]
+        if zlib.crc32(meta, check) != stamp & 0xFFFFFFFF:
+            return None
+        return slot, sequence, meta
 
     # -- consumer -> producer: release words ----------------------------------------
     def release(self, slot: int, sequence: int, recorded: bool = False) -> None:

@@ -7,7 +7,7 @@ import os
 import struct
 from typing import Any
 
-from .._buffer import Buffer, _Drop
+from .._buffer import Buffer
 
 #: Seconds a registration step (either side) may take before it is abandoned.
 REGISTER_TIMEOUT = 30.0
@@ -89,6 +89,29 @@ class Frames:
         return message
 
 
+class _Mark:
+    """What a ring item has in place of a finalizer: only whether it is still usable.
+
+    A ring item takes no count on its memory. The ring's end (producer or
+    consumer) keeps one Buffer per slot, and a slot has at most one live item
+    in each end, so that end releases a slot's Buffer only once the slot's
+    item went back (see ``Producer.unpublished`` and ``RingConsumer._on_release``).
+    That saves a count, a finalizer object and its call per item.
+    """
+
+    __slots__ = ("alive",)
+
+    def __init__(self, alive: bool) -> None:
+        self.alive = alive
+
+    def __call__(self) -> None:
+        pass
+
+
+LIVE = _Mark(True)
+GONE = _Mark(False)
+
+
 class SlotBuffer(Buffer):
     """A ring slot as handed out: by :meth:`Ring.acquire` (producer) or :meth:`RingConsumer.get`.
 
@@ -105,16 +128,14 @@ class SlotBuffer(Buffer):
     def __init__(
         self, base: Buffer, ring: object, slot: int, sequence: int | None, epoch: int, meta: Any, on_release: Any
     ) -> None:
-        # Buffer.__init__ without its weakref.finalize (a third of an item's cost):
-        # __del__ drops the memory count instead.
-        memory = base._memory
-        self._memory = memory
+        # Buffer.__init__ without a count on the memory (see _Mark): the ring's end
+        # keeps the slot's own Buffer until this item went back.
+        self._memory = base._memory
         self._offset = base._offset
         self._shape = base._shape
         self._dtype = base._dtype
         self._export = None
-        memory.acquire()
-        self._finalizer = _Drop(memory)  # type: ignore[assignment]
+        self._finalizer = LIVE  # type: ignore[assignment]
         self._ring = ring
         self.slot = slot
         self.sequence = sequence
@@ -128,18 +149,16 @@ class SlotBuffer(Buffer):
             callback(self.slot, self._epoch)
 
     def release(self) -> None:
-        """Give the slot back to the ring (once), then release this view. Idempotent."""
+        """Give the slot back to the ring (once); touching this item afterwards raises. Idempotent."""
+        self._finalizer = GONE  # type: ignore[assignment]  # first: the slot's Buffer may go with the callback
         self._give_back()
-        super().release()
 
     def __del__(self) -> None:
-        # Cheaper than a second weakref.finalize per item; the callbacks only
-        # write shared memory or enqueue, and never raise.
+        # The callbacks only write shared memory or enqueue, and never raise.
         try:
-            if getattr(self, "_on_release", None) is not None:
+            if self._on_release is not None:
                 self._give_back()
-            self._finalizer()
-        except Exception:  # interpreter shutdown
+        except Exception:  # interpreter shutdown, or __init__ did not finish
             pass
 
     def __repr__(self) -> str:

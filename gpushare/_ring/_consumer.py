@@ -61,12 +61,17 @@ class RingConsumer:
         self._metas: collections.deque[bytes] = collections.deque()  # metas that came on the socket
         self._ending: tuple[type[GpushareError], str] | None = None  # seen on the socket; raised once drained
         self._buffers: list[Buffer] = []
+        # Per slot: whether an item of it is out (a slot has at most one at a time:
+        # the producer republishes it only after this end released it). Once the end
+        # is shut, _orphans holds the slots' Buffers that items still use; each goes
+        # when its item does.
+        self._out: list[bool] = []
+        self._orphans: list[Buffer] | None = None
         self._device: int | str = "cpu"
         self._slot_events: list[Any] = []  # the producer's per-slot ready events, opened here
         self._release_events: list[Any] = []  # ours, recorded at each release (CUDA)
         self._error: tuple[type[GpushareError], str] | None = None
         self._closed: str | None = None
-        self.received = 0
         self._held = 0
         try:
             self._register()
@@ -86,6 +91,7 @@ class RingConsumer:
                 self._shut()
                 return
             self._buffers = list(reply[1])
+            self._out = [False] * len(self._buffers)
             with socket.socket(fileno=os.dup(conn.fileno())) as raw:
                 fd, self._wake, self._release_fd = reduction.recvfds(raw, 3)
             try:
@@ -151,6 +157,11 @@ class RingConsumer:
     def closed(self) -> bool:
         return self._conn is None
 
+    @property
+    def received(self) -> int:
+        """Items received so far."""
+        return self._index
+
     # -- receiving --------------------------------------------------------------
     def _raise_unusable(self) -> NoReturn:
         if self._error is not None:
@@ -167,7 +178,8 @@ class RingConsumer:
         :class:`OwnerGoneError` if the producer's process is gone.
         """
         channel = self._channel
-        if self._conn is None or channel is None:
+        buffers = self._buffers
+        if channel is None or self._conn is None:
             self._raise_unusable()
         index = self._index
         entry = channel.take(index)
@@ -176,17 +188,23 @@ class RingConsumer:
         slot, seq, meta = entry
         if meta is None:
             meta = self._socket_meta()
+        if slot & SLOT_RECORDED:
+            slot ^= SLOT_RECORDED
+            recorded = True
+        else:
+            recorded = False
+        self._out[slot] = True
+        if self._orphans is not None:  # shut by another thread meanwhile (see _shut)
+            self._out[slot] = False
+            self._raise_unusable()
         self._index = index + 1
-        self.received += 1
         self._held += 1
-        recorded = slot & SLOT_RECORDED
-        slot &= ~SLOT_RECORDED
-        base = self._buffers[slot]
+        base = buffers[slot]
         if self._slot_events:
             memory = base._memory  # one item per slot at a time: the flag is this item's
             memory.event = self._slot_events[slot]
             # Not recorded: the producer's stream was idle at publish, its writes are done.
-            memory.pending = bool(recorded)
+            memory.pending = recorded
         return SlotBuffer(base, self, slot, seq, seq, ForkingPickler.loads(meta) if meta else None, self._on_release)
 
     def _wait(self, channel: Channel, index: int, timeout: float | None) -> tuple[int, int, bytes | None]:
@@ -194,12 +212,12 @@ class RingConsumer:
         start = time.monotonic()
         if self.spin:
             spin_until = start + min(self.spin, timeout if timeout is not None else self.spin)
-            while time.monotonic() < spin_until:
-                if channel.ready(index):
-                    entry = channel.take(index)
-                    if entry is not None:
-                        return entry
-                os.sched_yield()  # free: returns at once unless another process waits for this core
+            take, monotonic, sched_yield = channel.take, time.monotonic, os.sched_yield
+            while monotonic() < spin_until:
+                sched_yield()  # free: returns at once unless another process waits for this core
+                entry = take(index)  # an entry not there yet fails its first comparison
+                if entry is not None:
+                    return entry
         deadline = None if timeout is None else start + timeout
         while True:
             entry = channel.take(index)
@@ -291,7 +309,12 @@ class RingConsumer:
         Lock-free: a release word per slot in shared memory, then a poke. On
         CUDA our release event is recorded first, on the default stream, so
         the producer's next write of the slot waits for our reads there."""
+        self._out[slot] = False  # before _orphans is read: see _shut
         self._held -= 1
+        orphans = self._orphans
+        if orphans is not None:  # shut: the item was the last user of the slot's Buffer
+            orphans[slot].release()
+            return
         channel = self._channel
         if channel is None:
             return
@@ -321,8 +344,13 @@ class RingConsumer:
         channel, self._channel = self._channel, None
         wake, release_fd, self._wake, self._release_fd = self._wake, self._release_fd, -1, -1
         buffers, self._buffers = self._buffers, []
-        for b in buffers:
-            b.release()  # items still held keep their memory until they go too
+        # Items still out keep their slot's Buffer until they go (_on_release). _orphans
+        # is set before _out is read, and _on_release clears _out before it reads
+        # _orphans: whichever runs second releases the Buffer (release() is idempotent).
+        self._orphans = buffers
+        for slot, b in enumerate(buffers):
+            if not self._out[slot]:
+                b.release()
         if conn is not None:
             shutdown_socket(conn.fileno())  # wakes a get() blocked in another thread; closing alone would not
             conn.close()

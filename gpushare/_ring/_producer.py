@@ -24,7 +24,7 @@ import weakref
 from dataclasses import dataclass, field
 from multiprocessing import AuthenticationError, connection, current_process, reduction
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, NoReturn, cast
+from typing import Any, NoReturn
 
 from .. import _cuda
 from .._buffer import Buffer
@@ -34,6 +34,7 @@ from . import _channel
 from ._channel import INLINE_META, RECORDED, Channel, poke, soak
 from ._common import (
     CLOSED,
+    GONE,
     MAX_META,
     MAX_SLOTS,
     META,
@@ -222,8 +223,14 @@ class Producer:
             pass
 
     def unpublished(self, slot: int, epoch: int) -> None:
-        """Finalizer of an acquired buffer: if it was not published, its slot is free again."""
+        """Finalizer of an acquired buffer: if it was not published, its slot is free again.
+
+        Once the ring is closed the slot's Buffer goes with it: close() left it to
+        this item (see close(); the queue is written before ``closed`` is read)."""
         self._deferred.put((slot, epoch))
+        if self.closed is not None:
+            self.buffers[slot].release()
+            return
         self._wake()
 
     def _apply_deferred(self) -> bool:
@@ -240,8 +247,11 @@ class Producer:
 
     def _collect(self) -> bool:
         """Apply the release words consumers wrote; True if a slot went free. Under _io."""
+        busy = self._busy
+        if not busy:
+            return False
         freed = False
-        for slot in tuple(self._busy):
+        for slot in tuple(busy):
             holders = self._holders[slot]
             seq = self._seq[slot]
             for c in tuple(holders):
@@ -251,7 +261,7 @@ class Producer:
                     if word & RECORDED:
                         self._last[slot].append(c)
             if not holders:
-                self._busy.discard(slot)
+                busy.discard(slot)
                 self._state[slot] = _FREE
                 self._free.append(slot)
                 freed = True
@@ -408,12 +418,11 @@ class Producer:
         )
 
     def publish(self, buf: Buffer, meta: Any, timeout: float | None, stream: int | None = None) -> int:
-        if self.closed is not None:
-            self._raise_closed()
+        # A closed ring raises below, under _io (and in _await_consumers).
         # A consumer's items are SlotBuffers too: their _ring is a RingConsumer, which has no _core.
         if buf.__class__ is not SlotBuffer or getattr(buf._ring, "_core", None) is not self:  # type: ignore[attr-defined]
             raise ValueError("publish() takes a buffer returned by this ring's acquire()")
-        item = cast(SlotBuffer, buf)
+        item: SlotBuffer = buf  # type: ignore[assignment]
         if item._on_release is None:
             raise ValueError(f"slot {item.slot} was already published or released; acquire() a slot for each publish()")
         if meta is None:
@@ -429,6 +438,7 @@ class Producer:
         if self._registered < self.wanted:
             self._await_consumers(timeout)
         slot = item.slot
+        recorded = False
         if self._cuda:
             # Consumers wait on this event (per slot), not on the whole device. A stream
             # with nothing queued has finished every write: the event is left as it is
@@ -439,8 +449,6 @@ class Producer:
             recorded = not _cuda.stream_idle(self.device, on)  # type: ignore[arg-type]
             if recorded:
                 _cuda.event_record(self._events[slot], self.device, on)  # type: ignore[arg-type]
-        else:
-            recorded = False
         with self._io:
             if self.closed is not None:
                 self._raise_closed()
@@ -455,28 +463,35 @@ class Producer:
                 targets = self._targets
             # The entries go first, the bookkeeping after: a consumer may release the
             # slot at once, but its release word is read only under _io, held here.
-            dropped: list[_Consumer] = []
+            dropped: list[_Consumer] | None = None
             for c in targets:
                 if inline is None:
                     try:
                         send_frame(c.frames.fd, bytes([META]) + payload)  # before its entry
                     except OSError:  # gone, or stuck for SEND_TIMEOUT: drop it (below)
-                        dropped.append(c)
+                        dropped = [c] if dropped is None else [*dropped, c]
                         continue
-                c.channel.put(c.head, slot, seq, inline, recorded)
-                c.head += 1
-                poke(c.wake)
+                head = c.head
+                c.channel.put(head, slot, seq, inline, recorded)
+                c.head = head + 1
+                try:
+                    os.eventfd_write(c.wake, 1)  # poke(), inline: one call less per consumer
+                except OSError:
+                    pass
             if targets:
                 self._state[slot] = _PUBLISHED
-                self._holders[slot] = set(targets)
+                self._holders[slot].update(targets)  # empty while the slot is not published
                 self._busy.add(slot)
             else:
                 self._state[slot] = _FREE
                 self._free.append(slot)
-            for c in dropped:
-                self._drop(c)
-        item._on_release = None  # published: the slot is the consumers' now, not free
-        item._finalizer()  # Buffer.release(): the slot's own reference stays with the ring
+            if dropped is not None:
+                for c in dropped:
+                    self._drop(c)
+        # Published: the slot is the consumers' now, not free, and this item is spent
+        # (the slot's own Buffer stays with the ring).
+        item._on_release = None
+        item._finalizer = GONE  # type: ignore[assignment]
         return seq
 
     def _await_consumers(self, timeout: float | None) -> None:
@@ -547,9 +562,14 @@ class Producer:
                 self._close_consumer(c)
             self._poller = None
             self._by_fd = {}
+            # A slot acquired here and not yet published keeps its Buffer until its item
+            # goes (unpublished() releases it then). Its queue entry is applied here if
+            # it came before ``closed`` was set; after that, unpublished() sees ``closed``.
+            self._apply_deferred()
+            for slot, b in enumerate(self.buffers):
+                if self._state[slot] != _ACQUIRED:
+                    b.release()
         self._listener.close()
-        for b in self.buffers:
-            b.release()  # acquired, unpublished buffers keep their memory until they go too
 
 
 class Ring:
