@@ -97,6 +97,20 @@ def test_per_queue_fan_out_and_ring_round_trip_run_on_the_host(tmp_path: Path) -
         assert sorted(roundtrip["systems"][name]["cells"]) == ["1", "2"], roundtrip["systems"][name]
 
 
+def test_throughput_judges_the_ring_and_the_queue_on_their_own_targets(tmp_path: Path) -> None:
+    """Issue 9's pipelined targets differ: the ring >= 100,000 items/s, gpushare's Queue >= 30,000."""
+    done = _bench(tmp_path, "--consumers", "1", "--only", "throughput")
+    assert done.returncode == 0 and ": ERROR" not in done.stderr, done.stderr
+    throughput = json.loads((tmp_path / "benchmarks.json").read_text(encoding="utf-8"))["scenarios"]["throughput"]
+    goal = throughput["targets"]["1 MiB"]
+    assert goal["limit"] == 30_000 and goal["system_limits"] == {"gpushare host ring": 100_000}
+    rates = throughput["table"]["1 MiB"]
+    for name, limit in (("gpushare host ring", 100_000), ("gpushare host Queue", 30_000)):
+        assert goal["met"][name] == (rates[name]["items_per_s"] >= limit), (name, rates[name])
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in (tmp_path / "benchmarks.md").read_text().splitlines()}
+    assert ">= 100,000/s: " in rows["gpushare host ring"] and ">= 30,000/s: " in rows["gpushare host Queue"]
+
+
 def _bench(tmp_path: Path, *args: str, timeout: float = 200) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "gpushare.bench", "--backend", "host", "--quick", "--out", str(tmp_path), *args]

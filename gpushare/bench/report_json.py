@@ -76,8 +76,16 @@ def _target_json(scenarios: dict[str, Scenario], s: Scenario, row: str, target: 
         "text": target.text("floor"),
         "floor": None if s.floor is None else list(s.floor),
         "met": {
-            name: target.met(series.cells.get(row), floor)
+            name: own.met(series.cells.get(row), floor)
             for name, series in s.systems.items()
-            if series.skipped is None and (s.target_systems is None or name in s.target_systems)
+            if series.skipped is None
+            and (s.target_systems is None or name in s.target_systems)
+            and (own := s.target_for(name, row)) is not None
+        },
+        # systems judged on a goal of their own at this row (the ring's rate)
+        "system_limits": {
+            name: own[row].limit
+            for name, own in s.system_targets.items()
+            if row in own and name in s.systems and s.systems[name].skipped is None
         },
     }

@@ -193,7 +193,7 @@ def _render_rate(scenario: Scenario) -> list[str]:
     header = ["system", *(f"{row} (items/s)" for row in scenario.rows)]
     if has_floor:
         header += [f"{row} / floor" for row in scenario.rows]
-    header += [f"target: {target.text()} at {row}" for row, target in goals]
+    header += [f"target at {row}" for row, _ in goals]
     out.append("| " + " | ".join(header) + " |")
     out.append("|" + "|".join("---" for _ in header) + "|")
     for name in systems:
@@ -206,8 +206,10 @@ def _render_rate(scenario: Scenario) -> list[str]:
             for row in scenario.rows:
                 rate, floor = _rate(series.cells.get(row)), _rate(_rate_floor(scenario, row))
                 cells.append("-" if rate is None or not floor else f"{rate / floor:.2f}")
-        for row, target in goals:
-            cells.append(_met_text(target.met(series.cells.get(row))) if name in judged else "-")
+        for row, _ in goals:
+            own = scenario.target_for(name, row)
+            met = None if own is None else own.met(series.cells.get(row))
+            cells.append(f"{own.text()}: {_met_text(met)}" if name in judged and own is not None else "-")
         out.append("| " + " | ".join(cells) + " |")
     out.append("")
     return _with_trailer(out, scenario)

@@ -46,6 +46,13 @@ class Scenario:
     details: dict[str, Any] = field(default_factory=dict)  # extra facts per row, for the JSON
     targets: dict[str, Target] = field(default_factory=dict)  # per row: the goal printed next to it
     target_systems: list[str] | None = None  # systems judged against the targets; None: all of them
+    # per system, per row: a goal other than the row's (the ring's rate, next to the Queue's)
+    system_targets: dict[str, dict[str, Target]] = field(default_factory=dict)
+
+    def target_for(self, system: str, row: str) -> Target | None:
+        """The goal ``system`` is judged on at ``row``: its own, else the row's."""
+        own = self.system_targets.get(system, {}).get(row)
+        return own if own is not None else self.targets.get(row)
 
 
 Samples = list[int] | dict[str, list[int]]
