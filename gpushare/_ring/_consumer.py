@@ -347,10 +347,12 @@ class RingConsumer:
         # Items still out keep their slot's Buffer until they go (_on_release). _orphans
         # is set before _out is read, and _on_release clears _out before it reads
         # _orphans: whichever runs second releases the Buffer (release() is idempotent).
-        self._orphans = buffers
-        for slot, b in enumerate(buffers):
-            if not self._out[slot]:
-                b.release()
+        # Set once: a second _shut (its _buffers already empty) must not replace it.
+        if self._orphans is None:
+            self._orphans = buffers
+            for slot, b in enumerate(buffers):
+                if not self._out[slot]:
+                    b.release()
         if conn is not None:
             shutdown_socket(conn.fileno())  # wakes a get() blocked in another thread; closing alone would not
             conn.close()
