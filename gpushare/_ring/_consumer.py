@@ -72,7 +72,6 @@ class RingConsumer:
         self._release_events: list[Any] = []  # ours, recorded at each release (CUDA)
         self._error: tuple[type[GpushareError], str] | None = None
         self._closed: str | None = None
-        self._held = 0
         try:
             self._register()
         except GpushareError as exc:
@@ -198,7 +197,6 @@ class RingConsumer:
             self._out[slot] = False
             self._raise_unusable()
         self._index = index + 1
-        self._held += 1
         base = buffers[slot]
         if self._slot_events:
             memory = base._memory  # one item per slot at a time: the flag is this item's
@@ -310,7 +308,6 @@ class RingConsumer:
         CUDA our release event is recorded first, on the default stream, so
         the producer's next write of the slot waits for our reads there."""
         self._out[slot] = False  # before _orphans is read: see _shut
-        self._held -= 1
         orphans = self._orphans
         if orphans is not None:  # shut: the item was the last user of the slot's Buffer
             orphans[slot].release()
@@ -374,7 +371,7 @@ class RingConsumer:
 
     def stats(self) -> dict[str, Any]:
         """``slots``, ``received`` (items so far), ``held`` (not yet released), ``closed``."""
-        return {"slots": self.slots, "received": self.received, "held": self._held, "closed": self.closed}
+        return {"slots": self.slots, "received": self.received, "held": self._out.count(True), "closed": self.closed}
 
     def __enter__(self) -> RingConsumer:
         return self
