@@ -225,15 +225,18 @@ class BufferManager(SyncManager):
         slots: int = 4,
         consumers: int = 1,
         backend: str | None = None,
-        spin: bool | float = False,
+        spin: bool | float | str = "auto",
     ) -> Ring:
         """A ring of ``slots`` pre-shared buffers for producer -> consumers pipelines.
 
         Pickle the ring into each consumer (e.g. as a Process argument);
-        ``publish()`` first waits for ``consumers`` registrations. ``spin``
-        (True, or seconds) makes both ends busy-wait on shared memory that
-        long before they sleep: lower latency for a core per process. See
-        :class:`~gpushare.Ring` and the protocol in ``gpushare._ring``.
+        ``publish()`` first waits for ``consumers`` registrations. ``spin``:
+        how long an end that waits busy-waits on shared memory before it
+        sleeps. ``"auto"`` (default): at most 50 us, and only while its
+        previous wait was shorter than that (a fast stream costs no
+        wakeups, sparse items no spinning); True (5 ms) or seconds: that
+        long every time, lower latency for a core per process; False: never.
+        See :class:`~gpushare.Ring` and the protocol in ``gpushare._ring``.
         """
         ring = create_ring(self, shape, dtype, device, slots=slots, consumers=consumers, backend=backend, spin=spin)
         self._rings.add(ring)

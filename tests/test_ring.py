@@ -21,6 +21,7 @@ from conftest import fill_behind_a_running_kernel, wait_until
 import gpushare as mp
 from gpushare import _backends
 from gpushare._ring._channel import ENTRY, INLINE_META, RECORDED, SLOT_RECORDED, Channel
+from gpushare._ring._common import SPIN_AUTO, SPIN_DEFAULT, SpinPolicy
 
 SHAPE = (32, 16)
 
@@ -459,14 +460,73 @@ def test_spin_mode_delivers_every_item_in_order(manager, reap) -> None:
         produce(ring, 30)
     for _, _, seen, _, _ in (results.get(timeout=30) for _ in range(2)):
         check_in_order(seen, range(30))
-    with pytest.raises(ValueError, match="spin"):
-        manager.ring(SHAPE, device="cpu", spin=-1)
 
 
-def test_spinning_consumer_notices_producer_death(reap) -> None:
+def test_spin_settings_and_the_adaptive_policy(manager) -> None:
+    """The default is "auto"; both ends report the ring's setting; "auto" spins only
+    after a quick wait (SpinPolicy), a fixed setting every time."""
+    for spin, setting in (("auto", "auto"), (True, SPIN_DEFAULT), (False, 0.0), (0, 0.0), (0.25, 0.25)):
+        with manager.ring(SHAPE, device="cpu", slots=1, consumers=0, spin=spin) as ring:
+            consumer = pickle.loads(pickle.dumps(ring))
+            assert ring.spin == setting and consumer.spin == setting
+            consumer.close()
+    with manager.ring(SHAPE, device="cpu", slots=1, consumers=0) as ring:
+        assert ring.spin == "auto"
+    for bad in ("fast", -1, 11, [1]):
+        with pytest.raises(ValueError, match='"auto", True, False or seconds'):
+            manager.ring(SHAPE, device="cpu", spin=bad)
+
+    auto = SpinPolicy(SPIN_AUTO, adaptive=True)
+    assert auto.budget() == SPIN_AUTO  # the first wait spins
+    auto.waited(0.010)  # a long wait: the next one sleeps at once
+    assert auto.budget() == 0.0
+    auto.waited(0.010)
+    assert auto.budget() == 0.0
+    auto.waited(SPIN_AUTO / 5)  # woken quickly: spin again
+    assert auto.budget() == SPIN_AUTO
+    fixed = SpinPolicy(0.002, adaptive=False)
+    fixed.waited(1.0)
+    assert fixed.budget() == 0.002
+
+
+def test_auto_spin_learns_from_each_wait_in_both_ends(manager) -> None:
+    """Both ends of an "auto" ring stop spinning after a wait longer than SPIN_AUTO
+    (here 50 ms) and go on delivering in order."""
+    import threading
+
+    with manager.ring(SHAPE, "int32", device="cpu", slots=1, consumers=1) as ring:
+        consumer = pickle.loads(pickle.dumps(ring))
+
+        def later(fn, delay):
+            timer = threading.Timer(delay, fn)
+            timer.start()
+            return timer
+
+        # The consumer waits 50 ms for an item: its next wait sleeps at once.
+        buf = ring.acquire(timeout=5)
+        buf.fill(1)
+        timer = later(lambda: ring.publish(buf, timeout=5), 0.05)
+        item = consumer.get(timeout=5)
+        timer.join()
+        assert int(item.numpy()[0, 0]) == 1 and consumer._spin.budget() == 0.0
+        # The producer waits 50 ms for the only slot: its next wait sleeps at once.
+        timer = later(item.release, 0.05)
+        buf = ring.acquire(timeout=5)
+        timer.join()
+        assert ring._core.spin.budget() == 0.0
+        buf.fill(2)
+        ring.publish(buf, timeout=5)
+        with consumer.get(timeout=5) as item:  # already there: no wait, nothing learnt
+            assert int(item.numpy()[0, 0]) == 2
+        assert consumer._spin.budget() == 0.0
+        consumer.close()
+
+
+@pytest.mark.parametrize("spin", [True, "auto"])
+def test_spinning_consumer_notices_producer_death(reap, spin) -> None:
     """A consumer that spins, then sleeps, still wakes on its socket's EOF."""
     rings, results, control, consumer_results = mp.Queue(), mp.Queue(), mp.Queue(), mp.Queue()
-    producer = start(reap, produce_then_wait, rings, results, control, True)
+    producer = start(reap, produce_then_wait, rings, results, control, spin)
     kind, server_pid, dirs = results.get(timeout=30)
     try:
         start(reap, consume_until_error, rings, consumer_results)

@@ -52,11 +52,21 @@ release eventfd *and* every consumer socket.
 
 Spinning
 --------
-``manager.ring(..., spin=True)`` (or seconds) makes :meth:`RingConsumer.get`
-and a :meth:`Ring.acquire` that finds no free slot check the shared words
-in a loop for that long (default 5 ms) before they sleep: a handoff then
-costs no wakeup of a sleeping process, at the price of a busy CPU while
-waiting. For latency-critical pipelines with a core to spare per process.
+An end that waits (:meth:`RingConsumer.get` with no entry there yet, a
+:meth:`Ring.acquire` that finds no free slot) checks the shared words in a
+loop for a while before it sleeps, giving its core away every few looks
+(``sched_yield``). How long is ``manager.ring(..., spin=)``:
+
+* ``"auto"`` (the default): at most 50 us, and only when this end's
+  previous wait was shorter than that. Waking a sleeping process costs
+  about that much, so a wait costs at most about twice what sleeping at
+  once would; a stream of items closer together than 50 us costs neither
+  side a sleep or a wakeup, and items further apart cost no spinning
+  after the first long wait (``_common.SpinPolicy``).
+* ``True`` (5 ms) or seconds: that long, every wait: a handoff then costs
+  no wakeup of a sleeping process, at the price of a busy CPU while
+  waiting. For latency-critical pipelines with a core to spare per process.
+* ``False`` (or 0): never; every wait sleeps in ``poll`` at once.
 
 States of a slot (kept by the producer)
 ---------------------------------------

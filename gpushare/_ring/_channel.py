@@ -53,8 +53,9 @@ the consumer looks at the entry, and only if it is not there yet waits in
 ``poll`` on that eventfd *and* its socket (so a producer that dies wakes
 it too), reads the counter, and looks again. The same in the other
 direction with the release eventfd, which the producer polls together
-with every consumer socket. A side that spins (``spin=``) checks the
-shared words in a loop first and polls only when the spin time is over;
+with every consumer socket. A side that spins (``spin=``, see the package's
+docstring) checks the shared words in a loop first and polls only when its
+spin time is over;
 the other side still writes the eventfd every time, so a spinner that has
 just given up and gone to sleep is woken.
 """

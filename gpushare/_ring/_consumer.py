@@ -22,7 +22,7 @@ from .._buffer import Buffer
 from .._errors import GpushareError, OwnerGoneError, RingClosedError
 from .._service import connect, shutdown_socket, socket_timeouts
 from ._channel import SLOT_RECORDED, Channel, poke, soak
-from ._common import CLOSED, META, REGISTER_TIMEOUT, Frames, SlotBuffer, poll_ms
+from ._common import CLOSED, META, REGISTER_TIMEOUT, SPIN_LOOKS, Frames, SlotBuffer, SpinPolicy, poll_ms
 
 __all__ = ["RingConsumer", "attach"]
 
@@ -50,7 +50,7 @@ class RingConsumer:
     def __init__(self, address: str, info: dict[str, Any]) -> None:
         self._address = address
         self._info = info
-        self.spin = float(info.get("spin", 0.0))
+        self._spin = SpinPolicy(float(info.get("spin", 0.0)), bool(info.get("adaptive", False)))
         self._conn: connection.Connection | None = None
         self._frames = Frames(-1)
         self._poller: Any = None
@@ -143,6 +143,11 @@ class RingConsumer:
         return int(self._info["slots"])
 
     @property
+    def spin(self) -> float | str:
+        """The ring's ``spin=``: ``"auto"``, or seconds this end spins before it sleeps."""
+        return self._spin.setting
+
+    @property
     def shape(self) -> tuple[int, ...]:
         return tuple(self._info["shape"])
 
@@ -208,18 +213,25 @@ class RingConsumer:
     def _wait(self, channel: Channel, index: int, timeout: float | None) -> tuple[int, int, bytes | None]:
         """Entry ``index`` once it is written: spin, then sleep on the eventfd and the socket."""
         start = time.monotonic()
-        if self.spin:
-            spin_until = start + min(self.spin, timeout if timeout is not None else self.spin)
+        spin = self._spin.budget()
+        if spin:
+            spin_until = start + min(spin, timeout if timeout is not None else spin)
             take, monotonic, sched_yield = channel.take, time.monotonic, os.sched_yield
-            while monotonic() < spin_until:
-                sched_yield()  # free: returns at once unless another process waits for this core
+            looks = 0
+            while True:
                 entry = take(index)  # an entry not there yet fails its first comparison
                 if entry is not None:
-                    return entry
+                    return entry  # sooner than the spin time: still a quick wait
+                looks += 1
+                if looks % SPIN_LOOKS == 0:
+                    if monotonic() >= spin_until:
+                        break
+                    sched_yield()  # free: returns at once unless another process waits for this core
         deadline = None if timeout is None else start + timeout
         while True:
             entry = channel.take(index)
             if entry is not None:
+                self._spin.waited(time.monotonic() - start)
                 return entry
             if self._ending is not None:  # every item published before it was taken
                 self._error = self._ending if self._ending[0] is not RingClosedError else None

@@ -40,8 +40,10 @@ from ._common import (
     META,
     REGISTER_TIMEOUT,
     SEND_TIMEOUT,
+    SPIN_LOOKS,
     Frames,
     SlotBuffer,
+    SpinPolicy,
     check_spin,
     poll_ms,
     send_frame,
@@ -82,12 +84,14 @@ def _destroy_events(events: list[Any], device: int | str) -> None:
 class Producer:
     """The producer's state and service; :class:`Ring` is its public handle."""
 
-    def __init__(self, buffers: list[Buffer], wanted: int, authkey: bytes, spin: float = 0.0) -> None:
+    def __init__(
+        self, buffers: list[Buffer], wanted: int, authkey: bytes, spin: float = 0.0, adaptive: bool = False
+    ) -> None:
         self.buffers = buffers
         self.n = len(buffers)
         self.wanted = wanted
         self.authkey = authkey
-        self.spin = spin
+        self.spin = SpinPolicy(spin, adaptive)  # acquire()'s; each consumer has its own
         self.device = buffers[0].device
         self._cuda = isinstance(self.device, int)
         # Per-slot ready events: recorded at publish, waited on by consumers (CUDA only).
@@ -110,6 +114,7 @@ class Producer:
             "dtype": buffers[0].dtype.str,
             "pid": os.getpid(),
             "spin": spin,
+            "adaptive": adaptive,
         }
         self._handles = handles
         self._lock = threading.Lock()
@@ -357,13 +362,18 @@ class Producer:
             raise TimeoutError(f"acquire() waited {timeout:g} s for another thread using this ring")
         try:
             free = self._free
-            deadline = spin_until = None  # set when the first try finds no free slot
+            waiting = slept = False  # the first try found no free slot; a poll() slept since
+            started = spin_until = 0.0
+            deadline: float | None = None
+            looks = 0
             # Releases are applied only when no slot is free: they wait in the
             # release words meanwhile.
             while True:
                 if self.closed is not None:
                     self._raise_closed()
                 if free:
+                    if slept:  # a wait that ended while spinning was a quick one
+                        self.spin.waited(time.monotonic() - started)
                     slot = free.popleft()
                     self._state[slot] = _ACQUIRED
                     epoch = self._epoch[slot] = self._epoch[slot] + 1
@@ -373,17 +383,23 @@ class Producer:
                     break
                 if self._collect() or (not self._deferred.empty() and self._apply_deferred()):
                     continue
+                if waiting and looks % SPIN_LOOKS:
+                    looks += 1  # spinning: look at the release words again before the clock
+                    continue
                 now = time.monotonic()
-                if spin_until is None:
-                    spin_until = now + self.spin
+                if not waiting:
+                    waiting, started = True, now
+                    spin_until = now + self.spin.budget()
                     deadline = None if timeout is None else now + timeout
                 if now < spin_until:
+                    looks += 1
                     os.sched_yield()  # free: returns at once unless another process waits for this core
                     continue
                 remaining = None if deadline is None else deadline - now
                 if remaining is not None and remaining <= 0:
                     raise TimeoutError(self._busy_message(timeout))
                 self._drain(remaining)
+                slept = True
             if readers:
                 # The producer's writes (default stream) wait for the consumers' reads
                 # of this slot's last publication, without blocking the host. Only
@@ -623,9 +639,9 @@ class Ring:
         return self._core.buffers[0].backend
 
     @property
-    def spin(self) -> float:
-        """Seconds each end spins on shared memory before it sleeps (0: never spins)."""
-        return self._core.spin
+    def spin(self) -> float | str:
+        """``"auto"``, or the seconds each end spins on shared memory before it sleeps (0: never spins)."""
+        return self._core.spin.setting
 
     @property
     def closed(self) -> bool:
@@ -711,14 +727,14 @@ def create_ring(
     slots: int = 4,
     consumers: int = 1,
     backend: str | None = None,
-    spin: bool | float = False,
+    spin: bool | float | str = "auto",
 ) -> Ring:
     """Allocate ``slots`` buffers with ``manager`` and start the ring's service (all or nothing)."""
     if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= MAX_SLOTS:
         raise ValueError(f"slots={slots!r} must be an int from 1 to {MAX_SLOTS}")
     if isinstance(consumers, bool) or not isinstance(consumers, int) or consumers < 0:
         raise ValueError(f"consumers={consumers!r} must be an int >= 0 (how many registrations publish() waits for)")
-    spin_s = check_spin(spin)
+    spin_s, adaptive = check_spin(spin)
     if not _channel.available():
         raise BackendUnavailableError(
             "rings need memfd_create and eventfd (Linux); on this platform send buffers through a Queue or a Pipe"
@@ -727,7 +743,7 @@ def create_ring(
     try:
         for _ in range(slots):
             buffers.append(manager.empty(shape, dtype, device, backend=backend))
-        core = Producer(buffers, consumers, bytes(current_process().authkey), spin_s)
+        core = Producer(buffers, consumers, bytes(current_process().authkey), spin_s, adaptive)
     except BaseException:
         for b in buffers:
             b.release()

@@ -38,8 +38,10 @@ HOW = (
     "`item.ptr`, releases it and acks. Its ratios are therefore to the **Pipe** floor (first table), and "
     f"each row shows its target (1 consumer <= {RING_TARGETS['1'].limit:g}x the Pipe floor, 4 consumers <= "
     f"{RING_TARGETS['4'].limit:g} us, 8 consumers <= {RING_TARGETS['8'].limit:g} us) and whether each backend "
-    f"met it. The columns marked *spin* make the ring with `spin={RING_SPIN:g}` (both ends busy-wait on the "
-    "shared memory that long before they sleep); their acks still go through the Pipes.\n\n"
+    'met it. The unmarked columns make the ring with the default `spin="auto"` (an end that waits '
+    "busy-waits at most 50 us before it sleeps, and only while its previous wait was shorter than that); "
+    f"the columns marked *spin* make it with `spin={RING_SPIN:g}` (both ends busy-wait on the shared memory "
+    "that long before they sleep). Their acks still go through the Pipes.\n\n"
     "`ring_roundtrip` needs no Pipe: a 1-slot ring to N consumers, so each `ring.acquire()` waits until "
     "every consumer released the item published just before. One iteration: `ring.acquire()` (the previous "
     "item's releases), `ring.publish(buf)`; each consumer `ring.get()`s, reads `item.ptr` and releases, and "
@@ -103,12 +105,12 @@ def _plan_roundtrip(bench: Bench) -> None:
         return
     for n in bench.cfg.consumers:
         for label, backend, device, skip in columns:
-            bench.task(ROUNDTRIP, label, str(n), _bind(ring_roundtrip, bench, n, backend, device, 0.0), skip)
+            bench.task(ROUNDTRIP, label, str(n), _bind(ring_roundtrip, bench, n, backend, device, "auto"), skip)
             run = _bind(ring_roundtrip, bench, n, backend, device, RING_SPIN)
             bench.task(ROUNDTRIP, f"{label} spin", str(n), run, skip)
 
 
-def ring_roundtrip(bench: Bench, n: int, backend: str, device: int | str, spin: float) -> list[int]:
+def ring_roundtrip(bench: Bench, n: int, backend: str, device: int | str, spin: float | str) -> list[int]:
     """One iteration: acquire the only slot (every consumer released the last item), publish it."""
     import multiprocessing
 
@@ -154,7 +156,7 @@ def ring_roundtrip(bench: Bench, n: int, backend: str, device: int | str, spin: 
                     conn.close()
 
 
-def ring_fanout(bench: Bench, n: int, backend: str, device: int | str, spin: float = 0.0) -> list[int]:
+def ring_fanout(bench: Bench, n: int, backend: str, device: int | str, spin: float | str = "auto") -> list[int]:
     """One iteration: acquire a slot, publish it to N consumers, wait for N acks (one Pipe each)."""
     import multiprocessing
 

@@ -40,7 +40,8 @@ KEYS = ("throughput",)
 
 HOW = (
     f"`throughput` counts pipelined handoffs to one consumer, the producer never waiting for each ack, for "
-    f"1 MiB and 64 MiB buffers: through the ring ({RING_SLOTS} slots; the producer acquires and publishes as "
+    f'1 MiB and 64 MiB buffers: through the ring ({RING_SLOTS} slots, the default `spin="auto"`; the '
+    "producer acquires and publishes as "
     "fast as released slots allow; the consumer gets, touches and releases each item and acks only at the end "
     "of a timed repeat), through gpushare's Queue (the same recycled buffer put again and again), through "
     "torch.multiprocessing's Queue (a recycled CUDA tensor, GPU only) and through a plain "
@@ -76,7 +77,8 @@ def plan(bench: Bench) -> None:
     ):
         return
     bench.scenarios["throughput"].notes.append(
-        f"ring: {RING_SLOTS} slots, the producer acquires and publishes as fast as the slots come back, "
+        f'ring: {RING_SLOTS} slots, default `spin="auto"`, the producer acquires and publishes as fast as '
+        "the slots come back, "
         "the consumer gets, touches (`item.ptr`) and releases. Queue rows (the same recycled "
         f"buffer or tensor, or the small tuple, put again and again): at most {STREAM_WINDOW} items "
         f"put and not yet acked; the consumer gets, touches, lets go, and acks every "
