@@ -23,7 +23,9 @@ offset 0: ``u64 tail``, written only by the owner: how many records it
 has consumed. Offset 64: ``CAPACITY`` records of ``u64 value | u64 check``;
 record *n* lives at ``64 + 16 * (n % CAPACITY)``. ``value`` is
 ``lease_id << 1 | kind`` (kind 0 = claim, 1 = release) and ``check`` is
-``_mix(value, n)``.
+``value ^ stamp(n)``, where ``stamp(n) = (n * K ^ SALT) mod 2**64`` for
+an odd 64-bit ``K``: one multiplication, since every record costs it twice
+(written by the consumer, checked by the owner).
 
 Why no head counter and no memory barrier
 -----------------------------------------
@@ -37,6 +39,23 @@ only while ``n - tail < CAPACITY`` (it never overwrites a record the owner
 has not consumed); the owner stores the new ``tail`` only after reading
 and checking the records it covers (a store that depends on those loads),
 so the consumer cannot see the slot as free before it was read.
+
+What the owner can find in slot *n* instead of record *n*, and why the
+check refuses it (each 8-byte half is stored whole):
+
+* record *n - CAPACITY*, whole: its check holds ``stamp(n - CAPACITY)``,
+  which differs from ``stamp(n)`` because ``CAPACITY * K`` is not 0
+  modulo 2**64 (K is odd);
+* the new value beside the old check: it would pass only if the two values
+  differed by ``stamp(n) ^ stamp(n - CAPACITY)``, which is ``x ^ (x - CAPACITY
+  * K)`` for ``x = n * K``. Modulo 2**64, subtracting ``CAPACITY * K`` adds a
+  number between 2**60 and 2**61, which always changes bits 60-63: the two
+  values would differ by at least 2**60, a lease id of 2**59;
+* the old value beside the new check: it passes only if the two values are
+  equal, and then it is the right value;
+* zeros (the first lap): ``stamp(n)`` is at least 2**49 for every *n* below
+  ``CAPACITY``, so neither an empty slot nor a new value beside a zero
+  check passes (tests/test_journal.py checks these bounds).
 
 Back-pressure
 -------------
@@ -65,16 +84,20 @@ ENABLED = True  # a link made while False uses socket messages (the fallback pat
 _TAIL = struct.Struct("<Q")
 _RECORD = struct.Struct("<QQ")
 _RECORDS_AT = 64
-_SIZE = _RECORDS_AT + CAPACITY * _RECORD.size
+_STRIDE = _RECORD.size
+_SIZE = _RECORDS_AT + CAPACITY * _STRIDE
 _MASK = (1 << 64) - 1
 
 
-def _mix(value: int, seq: int) -> int:
-    """A 64-bit check binding a record's value to its sequence number (splitmix64 finaliser)."""
-    x = (value ^ (seq * 0x9E3779B97F4A7C15) ^ 0x6770757368617265) & _MASK
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
-    return x ^ (x >> 31)
+# stamp(n) = (n * _K ^ _SALT) & _MASK (see "Layout"); written out where records are.
+_K = 0x9E3779B97F4A7C15  # odd; 2**64 - CAPACITY * _K mod 2**64 lies in [2**60, 2**61)
+_SALT = 0x6770757368617265  # so that no stamp of the first lap is 0 or small
+_CHUNK = 256  # records the owner copies out of the mapping at a time
+
+
+def stamp(seq: int) -> int:
+    """What record ``seq``'s check is XORed with (see "Layout")."""
+    return (seq * _K ^ _SALT) & _MASK
 
 
 class JournalWriter:
@@ -110,7 +133,7 @@ class JournalWriter:
         if n >= self._limit and self.full():
             return False
         value = lease_id << 1 | kind
-        _RECORD.pack_into(self._mm, _RECORDS_AT + (n % CAPACITY) * _RECORD.size, value, _mix(value, n))
+        _RECORD.pack_into(self._mm, _RECORDS_AT + (n % CAPACITY) * _STRIDE, value, value ^ ((n * _K ^ _SALT) & _MASK))
         self.head = n + 1
         return True
 
@@ -142,19 +165,26 @@ class JournalReader:
         self._tail = _TAIL.unpack_from(self._mm, 0)[0]
 
     def read(self) -> list[tuple[int, int]]:
-        """Consume every complete record: ``[(kind, lease_id), ...]`` in order."""
+        """Consume every complete record: ``[(kind, lease_id), ...]`` in order.
+
+        Records are copied out ``_CHUNK`` at a time (never past the end of the
+        ring) and checked in one pass over each copy."""
         out: list[tuple[int, int]] = []
-        n = self._tail
+        append = out.append
+        n = start = self._tail
         mm = self._mm
-        while True:
-            value, check = _RECORD.unpack_from(mm, _RECORDS_AT + (n % CAPACITY) * _RECORD.size)
-            if check != _mix(value, n):
-                break
-            out.append((value & 1, value >> 1))
-            n += 1
-            if len(out) == CAPACITY:
-                break
-        if out:
+        end = n + CAPACITY
+        while n < end:
+            at = n % CAPACITY
+            count = min(_CHUNK, CAPACITY - at, end - n)
+            first = _RECORDS_AT + at * _STRIDE
+            for value, check in _RECORD.iter_unpack(mm[first : first + count * _STRIDE]):
+                if check != value ^ ((n * _K ^ _SALT) & _MASK):
+                    end = n  # not written yet: stop here
+                    break
+                append((value & 1, value >> 1))
+                n += 1
+        if n != start:
             self._tail = n
             _TAIL.pack_into(mm, 0, n)
         return out

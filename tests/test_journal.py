@@ -88,6 +88,43 @@ def test_a_stale_record_from_the_previous_lap_is_not_consumed() -> None:
     reader.close()
 
 
+def test_the_stamp_bounds_the_module_docstring_relies_on() -> None:
+    # Subtracting CAPACITY * K modulo 2**64 adds a number in [2**60, 2**61): a value
+    # torn from its check must then differ from the old one by at least 2**60.
+    step = (1 << 64) - (_journal.CAPACITY * _journal._K) % (1 << 64)
+    assert 1 << 60 <= step < 1 << 61
+    # No stamp of the first lap is small: zeros, or a new value beside a zero check, never pass.
+    assert min(_journal.stamp(n) for n in range(_journal.CAPACITY)) >= 1 << 49
+
+
+def test_a_new_value_beside_the_previous_laps_check_is_not_consumed() -> None:
+    writer, reader = pair()
+    for lease in range(1, _journal.CAPACITY + 1):
+        writer.append(_journal.CLAIM, lease)
+    assert len(reader.read()) == _journal.CAPACITY
+    # Record CAPACITY goes in slot 0: its value lands, its check not yet (the old one stays).
+    struct.pack_into("<Q", writer._mm, 64, _journal.RELEASE | 1 << 1)
+    assert reader.read() == []
+    # The old value beside the new check passes only if both values are equal.
+    writer.append(_journal.RELEASE, 1)
+    assert reader.read() == [(_journal.RELEASE, 1)]
+    writer.close()
+    reader.close()
+
+
+def test_reads_cross_the_end_of_the_ring_and_chunks_in_one_call() -> None:
+    writer, reader = pair()
+    for lease in range(1, _journal.CAPACITY - 100):
+        writer.append(_journal.CLAIM, lease)
+    assert len(reader.read()) == _journal.CAPACITY - 101
+    expected = [(lease % 2, lease) for lease in range(1, 1001)]  # 1000 records: past the end, several chunks
+    for kind, lease in expected:
+        writer.append(kind, lease)
+    assert reader.read() == expected
+    writer.close()
+    reader.close()
+
+
 def test_the_owner_refuses_a_journal_of_the_wrong_size() -> None:
     fd = os.memfd_create("not-a-journal")
     os.ftruncate(fd, 4096)
