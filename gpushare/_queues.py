@@ -10,10 +10,15 @@ feeder thread then only moves bytes; ``get()`` is unchanged.
 
 Capturing costs as little as it can: an immutable plain value (None, a
 number, a string, bytes, or a small tuple of those) cannot change before
-the feeder pickles it, so it is put as it is; a Buffer is replaced by its
-reduction (the lease is taken now, and it pickles once, exactly as the
-buffer would); anything else is pickled in ``put()`` and unpickled by the
-receiver in one extra step.
+the feeder pickles it, so it is put as it is; anything else is pickled in
+``put()`` and unpickled by the receiver in one extra step. A Buffer is
+shared now (its lease taken, its descriptor filled in) and travels as the
+plain pair ``(BUFFER_TAG, descriptor bytes)``, which ``get()`` rebuilds:
+a pair of a string and bytes unpickles without looking up a global, where
+a pickled Buffer costs the receiver ``find_class`` (an import by name, on
+every load: more than the rest of unpickling it). A user's own tuple that
+begins with the tag is sent pickled inside ``(BUFFER_TAG, pickle, None)``,
+so that no item comes out of ``get()`` other than it went in.
 
 ``get()`` also ends when the process that created the queue is gone.
 With :mod:`multiprocessing`, a consumer waiting on a queue whose producer
@@ -56,7 +61,7 @@ from typing import Any
 
 from ._buffer import Buffer
 from ._errors import OwnerGoneError
-from ._reduction import reduce_buffer
+from ._reduction import rebuild_buffer, share_bytes
 from ._service import process_alive
 
 __all__ = ["JoinableQueue", "Queue"]
@@ -73,25 +78,31 @@ def _settled(obj: Any, depth: int = 0) -> bool:
     return kind is tuple and depth < 2 and len(obj) <= 16 and all(_settled(item, depth + 1) for item in obj)
 
 
+BUFFER_TAG = "gpushare.Buffer\x00"  # first of the pair a Buffer travels as (see the module docstring)
+
+
+def _tagged(obj: Any) -> bool:
+    """Whether ``obj`` is a tuple that begins with BUFFER_TAG."""
+    return type(obj) is tuple and len(obj) > 1 and type(obj[0]) is str and obj[0] == BUFFER_TAG
+
+
 def _capture(obj: Any) -> Any:
     """What put() hands to the feeder thread in place of ``obj``."""
-    if type(obj) is Buffer:  # first: the item a gpushare queue is for
-        return _Reduced(reduce_buffer(obj))
+    kind = type(obj)
+    if kind is Buffer:  # first: the item a gpushare queue is for
+        return (BUFFER_TAG, share_bytes(obj))
+    if kind is tuple and _tagged(obj):  # a user's tuple that would read as a buffer
+        return (BUFFER_TAG, bytes(ForkingPickler.dumps(obj)), None)
     if _settled(obj):
         return obj
     return _Pickled(bytes(ForkingPickler.dumps(obj)))
 
 
-class _Reduced:
-    """A buffer's reduction, taken by ``put()``: pickles exactly as the buffer would."""
-
-    __slots__ = ("reduction",)
-
-    def __init__(self, reduction: tuple[Any, ...]) -> None:
-        self.reduction = reduction
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return self.reduction
+def _restore(item: tuple[Any, ...]) -> Any:
+    """get(): the item a tagged tuple stands for (a Buffer, or a user's tuple)."""
+    if len(item) == 2:
+        return rebuild_buffer(item[1])
+    return ForkingPickler.loads(item[1])
 
 
 class _Pickled:
@@ -205,7 +216,10 @@ class _CaptureAndWatch:
 
     def get(self, block: bool = True, timeout: float | None = None) -> Any:
         item = self._get(block, timeout)
-        if type(item) is not _CreatorExited:
+        kind = type(item)
+        if kind is tuple:
+            return _restore(item) if _tagged(item) else item
+        if kind is not _CreatorExited:
             return item
         # The creator exited. Other processes may still be putting: go on while items
         # keep coming, and leave the marker behind them for the next consumer.
@@ -214,6 +228,8 @@ class _CaptureAndWatch:
         except queue.Empty:
             after = item
         self._pass_on(item)
+        if _tagged(after):
+            return _restore(after)
         if type(after) is not _CreatorExited:
             return after
         raise OwnerGoneError(

@@ -39,7 +39,7 @@ from . import _lifetime
 from ._buffer import Buffer
 from ._descriptor import Descriptor, _dtype
 
-__all__ = ["attach_buffer", "descriptor_of", "rebuild_buffer", "reduce_buffer", "reduce_pickled"]
+__all__ = ["attach_buffer", "descriptor_of", "rebuild_buffer", "reduce_buffer", "reduce_pickled", "share_bytes"]
 
 
 def descriptor_of(buf: Buffer) -> Descriptor:
@@ -69,7 +69,13 @@ def _describe(buf: Buffer, memory: Any, lease_id: int, event: bytes) -> Descript
 
 
 def reduce_buffer(buf: Buffer) -> tuple[Any, tuple[bytes]]:
-    """``(rebuild_buffer, (descriptor bytes,))`` with a new lease: the hot path of every put."""
+    """``(rebuild_buffer, (descriptor bytes,))`` with a new lease."""
+    return (rebuild_buffer, (share_bytes(buf),))
+
+
+def share_bytes(buf: Buffer) -> bytes:
+    """The descriptor bytes of ``buf`` under a new lease: the hot path of every put
+    (gpushare's queues send them as they are; see :mod:`gpushare._queues`)."""
     buf._check()
     memory = buf._memory
     lease_id, event = memory.source.share(memory)  # sets memory.handle on the first share
@@ -80,7 +86,7 @@ def reduce_buffer(buf: Buffer) -> tuple[Any, tuple[bytes]]:
     template = templates.get(key)
     if template is None:
         template = templates[key] = _describe(buf, memory, 0, b"").template()
-    return (rebuild_buffer, (template.fill(lease_id, event),))
+    return template.fill(lease_id, event)
 
 
 # Ray's form of a buffer (gpushare.ray.reduce_for_ray), handed down by the facade so

@@ -253,6 +253,39 @@ def test_put_then_release_is_safe(manager, reap) -> None:
     assert results.get(timeout=30)[1] == 8.0
 
 
+def echo_items(jobs, results, count) -> None:
+    for _ in range(count):
+        item = jobs.get(timeout=30)
+        if isinstance(item, mp.Buffer):
+            item = ("buffer", float(item.numpy().sum()))
+        results.put(item)
+
+
+def test_items_shaped_like_a_queued_buffer_arrive_as_themselves(manager, reap) -> None:
+    # A Buffer crosses a gpushare queue as (BUFFER_TAG, descriptor bytes); a user's
+    # tuple of that shape, plain or not, must come out of get() as it went in.
+    from gpushare._queues import BUFFER_TAG
+
+    buf = manager.full((4,), 2.0, device="cpu")
+    items = [
+        (BUFFER_TAG, b"not a descriptor"),
+        (BUFFER_TAG, b"x", None),
+        (BUFFER_TAG, [1, 2]),
+        (BUFFER_TAG,),
+        ("buffer", 8.0),
+    ]
+    jobs, results = mp.Queue(), mp.Queue()
+    start(reap, echo_items, jobs, results, len(items) + 1)
+    for item in items[:-1]:
+        jobs.put(item)
+    jobs.put(buf)
+    buf.release()
+    assert [results.get(timeout=30) for _ in items] == items
+    local = mp.Queue()  # and in the putting process
+    local.put((BUFFER_TAG, b"y"))
+    assert local.get(timeout=5) == (BUFFER_TAG, b"y")
+
+
 def test_put_of_unpicklable_item_raises_in_caller() -> None:
     q = mp.Queue()
     with pytest.raises(Exception, match="pickle"):
