@@ -6,7 +6,8 @@ the buffer before it was ever described, and the feeder thread would fail
 with nobody to see the error. gpushare's queues pickle in ``put()``
 itself, so the item is captured (and a buffer's lease taken) before
 ``put()`` returns, and an unpicklable item raises in the caller. The
-feeder thread then only moves bytes; ``get()`` is unchanged.
+feeder thread then only moves bytes; ``get()`` only turns a buffer's
+captured form back into a Buffer (below).
 
 Capturing costs as little as it can: an immutable plain value (None, a
 number, a string, bytes, or a small tuple of those) cannot change before
