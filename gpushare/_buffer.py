@@ -25,26 +25,39 @@ Touching the memory of a released buffer raises
 :class:`~gpushare._errors.BufferReleasedError`; touching a buffer whose
 owner is gone raises :class:`~gpushare._errors.OwnerGoneError`. Neither
 ever reaches the driver with a dangling pointer.
+
+Other modules of the package that build on a Buffer's memory (the ring's
+items, a loader batch's arrays, a weight set's tensors) go through
+:func:`window` and :func:`memory_of`, never through its private fields. A
+ring item is a Buffer whose finalizer is the ring's (``finalizer=``): it
+takes no count of its own, because the ring's end keeps the slot's own
+Buffer while the item is out.
+
+NumPy is imported on first use, not with this module: a process that only
+passes buffers along never needs it.
 """
 
 from __future__ import annotations
 
 import math
 import weakref
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from ._errors import BufferReleasedError
 from ._memory import Memory
 
-__all__ = ["Buffer", "Memory", "check_dtype", "check_shape"]
+if TYPE_CHECKING:
+    import numpy as np
+
+__all__ = ["Buffer", "Memory", "byte_offset", "check_dtype", "check_shape", "memory_of", "window"]
 
 _SUPPORTED_KINDS = "biufc"
 
 
 def check_dtype(dtype: object) -> np.dtype[Any]:
     """A NumPy dtype gpushare can share, or a ValueError saying what is valid."""
+    import numpy as np
+
     try:
         dt = np.dtype(dtype)  # type: ignore[call-overload]
     except TypeError as exc:
@@ -60,6 +73,8 @@ def check_dtype(dtype: object) -> np.dtype[Any]:
 
 
 def check_shape(shape: object) -> tuple[int, ...]:
+    import numpy as np
+
     if isinstance(shape, (int, np.integer)):
         shape = (int(shape),)
     if isinstance(shape, (str, bytes)):
@@ -122,14 +137,19 @@ class Buffer:
 
     __slots__ = ("__weakref__", "_dtype", "_export", "_finalizer", "_memory", "_offset", "_shape")
 
-    def __init__(self, memory: Memory, offset: int, shape: tuple[int, ...], dtype: np.dtype[Any]) -> None:
+    def __init__(
+        self, memory: Memory, offset: int, shape: tuple[int, ...], dtype: np.dtype[Any], finalizer: Any = None
+    ) -> None:
         self._memory = memory
         self._offset = offset
         self._shape = shape
         self._dtype = dtype
         self._export: Buffer | None = None  # keeps memory handed out by pointer alive (see release())
-        memory.acquire()
         self._finalizer: weakref.finalize[Any, Any] | _Drop
+        if finalizer is not None:  # a ring item: no count (see the module docstring)
+            self._finalizer = finalizer
+            return
+        memory.acquire()
         if memory.exit_release:
             self._finalizer = weakref.finalize(self, memory.drop_one)
         else:
@@ -265,6 +285,8 @@ class Buffer:
             else:
                 new_shape = (self.nbytes // dt.itemsize,)
         else:
+            import numpy as np
+
             dims = list(shape) if not isinstance(shape, (int, np.integer)) else [int(shape)]  # type: ignore[call-overload]
             if dims.count(-1) > 1:
                 raise ValueError(f"shape={tuple(dims)} has more than one -1")
@@ -284,6 +306,8 @@ class Buffer:
     def numpy(self) -> np.ndarray[Any, Any]:
         """The contents as a NumPy array: a zero-copy view on the host backend,
         a host copy of device memory on CUDA."""
+        import numpy as np
+
         self._check()
         memory = self._memory
         if memory.device is None:
@@ -305,8 +329,10 @@ class Buffer:
         if cai is not None:
             from ._interop import copy_from_cuda_array
 
-            copy_from_cuda_array(self, cai)
+            copy_from_cuda_array(self, memory, cai)
             return self
+        import numpy as np
+
         src = np.ascontiguousarray(np.asarray(array), dtype=self._dtype)
         if src.size != self.size:
             raise ValueError(
@@ -318,6 +344,8 @@ class Buffer:
 
     def fill(self, value: object) -> Buffer:
         """Set every element to ``value``. Returns ``self``."""
+        import numpy as np
+
         self._check()
         pattern = np.array(value, dtype=self._dtype).tobytes()
         if self.nbytes:
@@ -333,7 +361,7 @@ class Buffer:
 
         if self._export is None:
             self._export = self.view()  # the consumer holds only `self`: see release()
-        return cuda_array_interface(self)
+        return cuda_array_interface(self, self._memory)
 
     def __array__(self, dtype: object = None, copy: bool | None = None) -> np.ndarray[Any, Any]:
         if self._memory.device is not None:
@@ -341,6 +369,8 @@ class Buffer:
                 "a CUDA buffer cannot become a NumPy array implicitly; use buf.numpy() for a host copy, "
                 "or a GPU library (torch.from_dlpack(buf), cupy.asarray(buf))"
             )
+        import numpy as np
+
         array = self.numpy()
         if dtype is not None and np.dtype(dtype) != array.dtype:  # type: ignore[call-overload]
             return array.astype(dtype)  # type: ignore[call-overload]
@@ -356,12 +386,34 @@ class Buffer:
     ) -> Any:
         from ._interop import to_dlpack
 
-        return to_dlpack(self, stream=stream, max_version=max_version, dl_device=dl_device, copy=copy)
+        return to_dlpack(self, self._memory, stream=stream, max_version=max_version, dl_device=dl_device, copy=copy)
 
     def __dlpack_device__(self) -> tuple[int, int]:
         from ._interop import dlpack_device
 
-        return dlpack_device(self)
+        return dlpack_device(self, self._memory)
+
+
+def memory_of(buf: Buffer) -> Memory:
+    """The Memory ``buf`` views (for the modules that build their own views on it)."""
+    return buf._memory
+
+
+def window(buf: Buffer, offset: int, shape: tuple[int, ...], dtype: np.dtype[Any], cls: type[Buffer] = Buffer) -> Any:
+    """A Buffer of class ``cls`` over ``shape`` x ``dtype`` starting ``offset`` bytes into ``buf``.
+
+    It takes its own count on the memory (it stays valid after ``buf`` is
+    released), like :meth:`Buffer.view`, but may start anywhere inside ``buf``
+    (a batch's arrays in a ring slot, a weight set's tensors in an allocation).
+    The caller checks the bounds; ``cls`` is ``Buffer`` or a subclass whose
+    constructor takes ``(memory, offset, shape, dtype)`` first.
+    """
+    return cls(buf._memory, buf._offset + offset, shape, dtype)
+
+
+def byte_offset(buf: Buffer) -> int:
+    """Where ``buf`` starts in its allocation, in bytes."""
+    return buf._offset
 
 
 class _HostView:

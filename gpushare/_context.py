@@ -8,18 +8,22 @@ built on ``ctx.Process`` -- ``Pool`` included -- starts gpushare workers, and
 The default context starts with **spawn** (CUDA cannot survive fork). It
 is separate from multiprocessing's own default: ``gpushare.set_start_method``
 never changes what plain ``multiprocessing`` does.
+
+Importing this module costs next to nothing beyond :mod:`multiprocessing`
+itself: the queue and Manager modules load when a context first makes one.
 """
 
 from __future__ import annotations
 
 import multiprocessing
 from multiprocessing import context as _mpctx
-from typing import Any
 
-from . import _manager
-from ._manager import BufferManager
 from ._process import GpuProcessMixin
-from ._queues import JoinableQueue, Queue
+
+# typing is not imported at run time: it costs every process about 3 ms (see gpushare._seams).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["DefaultContext", "Process", "get_context", "get_start_method"]
 
@@ -47,14 +51,20 @@ class _ManagerMixin:
 
     def Queue(self, maxsize: int = 0) -> Any:
         """A queue that pickles items in ``put()`` (see gpushare._queues)."""
+        from ._queues import Queue
+
         return Queue(maxsize, ctx=self.get_context())  # type: ignore[attr-defined]
 
     def JoinableQueue(self, maxsize: int = 0) -> Any:
         """A joinable queue that pickles items in ``put()`` (see gpushare._queues)."""
+        from ._queues import JoinableQueue
+
         return JoinableQueue(maxsize, ctx=self.get_context())  # type: ignore[attr-defined]
 
     def Manager(self, **options: Any) -> Any:
         """A started :class:`~gpushare.BufferManager` (also a full multiprocessing Manager)."""
+        from ._manager import BufferManager
+
         manager = BufferManager(ctx=self.get_context(), **options)  # type: ignore[attr-defined]
         manager.start()
         return manager
@@ -129,8 +139,3 @@ def get_context(method: str | None = None) -> Any:
 
 def get_start_method(allow_none: bool = False) -> Any:
     return _default_context.get_start_method(allow_none)
-
-
-# A BufferManager made without ``ctx`` uses gpushare's default context; _manager sits
-# below this module, so the context is handed down here instead of imported there.
-_manager.default_context = get_context

@@ -25,11 +25,12 @@ import math
 import struct
 import zlib
 from functools import lru_cache
-from typing import Any, NamedTuple
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ._errors import DescriptorError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = ["BACKEND_CODES", "Descriptor", "Template"]
 
@@ -50,6 +51,8 @@ _MAX_FIELD = 4096
 
 @lru_cache(maxsize=64)
 def _dtype(text: str) -> np.dtype[Any]:
+    import numpy as np  # on the first descriptor of each dtype only (cached)
+
     return np.dtype(text)
 
 

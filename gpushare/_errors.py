@@ -27,6 +27,10 @@ Every exception raised on purpose by gpushare derives from
   incompatible version, or names a lease the owner does not know.
 * :class:`StartMethodError` -- a start method that cannot work with CUDA.
 * :class:`BackendUnavailableError` -- a backend this machine cannot run.
+* :class:`WaitTimeoutError` (also a :class:`TimeoutError`) -- a wait you
+  bounded with ``timeout=`` ran out: a ring's ``acquire()``, ``publish()``
+  or ``get()``, a loader's next batch, a weight set's ``publish()`` or
+  ``wait()``. The message says what it waited for and who held what.
 
 Messages say what was wrong, what is valid, and what to do.
 """
@@ -49,6 +53,7 @@ __all__ = [
     "OwnerGoneError",
     "RingClosedError",
     "StartMethodError",
+    "WaitTimeoutError",
 ]
 
 
@@ -119,6 +124,10 @@ class StartMethodError(GpushareError, RuntimeError):
 
 class BackendUnavailableError(GpushareError, RuntimeError):
     """The requested sharing backend cannot run on this machine."""
+
+
+class WaitTimeoutError(GpushareError, TimeoutError):
+    """A wait bounded by ``timeout=`` ran out; the message says what it waited for and who held what."""
 
 
 class LeakWarning(ResourceWarning):

@@ -44,8 +44,7 @@ def _ordering_stream(device: int) -> int:
         return stream
 
 
-def cuda_array_interface(buf: Any) -> dict[str, Any]:
-    memory = buf._memory
+def cuda_array_interface(buf: Any, memory: Any) -> dict[str, Any]:
     address = buf._address()
     stream = None
     if memory.pending:
@@ -64,7 +63,7 @@ def cuda_array_interface(buf: Any) -> dict[str, Any]:
     }
 
 
-def copy_from_cuda_array(buf: Any, cai: dict[str, Any]) -> None:
+def copy_from_cuda_array(buf: Any, memory: Any, cai: dict[str, Any]) -> None:
     shape = tuple(cai["shape"])
     dtype = np.dtype(cai["typestr"])
     size = int(np.prod(shape, dtype=np.int64))
@@ -78,13 +77,13 @@ def copy_from_cuda_array(buf: Any, cai: dict[str, Any]) -> None:
         raise ValueError("the source CUDA array is not C-contiguous; make it contiguous first")
     stream = cai.get("stream")
     if stream:  # v3: the producer's work on this stream must finish before we read
-        _cuda.stream_synchronize(int(stream), buf._memory.device)
+        _cuda.stream_synchronize(int(stream), memory.device)
     if buf.nbytes:
-        _cuda.memcpy(buf.ptr, int(cai["data"][0]), buf.nbytes, buf._memory.device)
+        _cuda.memcpy(buf.ptr, int(cai["data"][0]), buf.nbytes, memory.device)
 
 
-def dlpack_device(buf: Any) -> tuple[int, int]:
-    device = buf._memory.device
+def dlpack_device(buf: Any, memory: Any) -> tuple[int, int]:
+    device = memory.device
     return (KDL_CPU, 0) if device is None else (KDL_CUDA, device)
 
 
@@ -152,6 +151,7 @@ def _capsule_destructor(capsule: int) -> None:
 
 def to_dlpack(
     buf: Any,
+    memory: Any,
     *,
     stream: object = None,
     max_version: tuple[int, int] | None = None,
@@ -161,9 +161,9 @@ def to_dlpack(
     buf._check()
     if copy:
         raise BufferError("gpushare exports views only (copy=True is not supported); copy on the consumer side")
-    if dl_device is not None and tuple(dl_device) != dlpack_device(buf):
-        raise BufferError(f"this buffer lives on DLPack device {dlpack_device(buf)}, not {tuple(dl_device)}")
-    if buf._memory.device is None:
+    if dl_device is not None and tuple(dl_device) != dlpack_device(buf, memory):
+        raise BufferError(f"this buffer lives on DLPack device {dlpack_device(buf, memory)}, not {tuple(dl_device)}")
+    if memory.device is None:
         view = buf.numpy()
         if max_version is None:
             return view.__dlpack__()
@@ -173,13 +173,13 @@ def to_dlpack(
     strides = (ctypes.c_int64 * max(ndim, 1))(*[s // buf.dtype.itemsize for s in buf.strides])
     address = buf._address()
     if stream is None:  # no stream named: the data must be ready for any of them
-        buf._memory.ready()
+        memory.ready()
     elif stream != -1:  # -1: the consumer asked for no synchronisation
-        buf._memory.order_stream(int(stream))  # type: ignore[call-overload]
+        memory.order_stream(int(stream))  # type: ignore[call-overload]
     managed = _DLManagedTensor()
     tensor = managed.dl_tensor
     tensor.data = address
-    tensor.device = _DLDevice(KDL_CUDA, buf._memory.device)
+    tensor.device = _DLDevice(KDL_CUDA, memory.device)
     tensor.ndim = ndim
     kind = "b" if buf.dtype == np.bool_ else buf.dtype.kind
     tensor.dtype = _DLDataType(_DL_CODES[kind], buf.dtype.itemsize * 8, 1)

@@ -58,10 +58,10 @@ from typing import Any
 import numpy as np
 
 from . import _backends
+from ._authsocket import process_alive
+from ._batch import SlotArray, SlotWriter, align, build, default_collate, exception_payload, rebuild_exception
 from ._buffer import Buffer
-from ._errors import LoaderError, OwnerGoneError, RingClosedError
-from ._service import process_alive
-from ._slots import SlotArray, SlotWriter, align, build, default_collate, exception_payload, rebuild_exception
+from ._errors import LoaderError, OwnerGoneError, RingClosedError, WaitTimeoutError
 
 __all__ = ["SlotLoader", "current_dataset"]
 
@@ -229,7 +229,7 @@ class SlotLoader:
     ``device`` is where the slots live (a CUDA device, or ``"cpu"`` for
     host shared memory); workers are bound to it. ``worker_init(worker_id)``
     runs first in each worker. ``timeout`` bounds the wait for one batch
-    (``TimeoutError``). ``manager`` may be a started ``Manager(owner="server")``
+    (:class:`~gpushare.WaitTimeoutError`, a ``TimeoutError``). ``manager`` may be a started ``Manager(owner="server")``
     to allocate from; by default the loader starts its own.
     """
 
@@ -449,7 +449,7 @@ class _Epoch:
 
     def _expired(self, deadline: float | None, worker: int, seq: int) -> None:
         if deadline is not None and _now() > deadline:
-            raise TimeoutError(
+            raise WaitTimeoutError(
                 f"batch {seq} did not come from loader worker {worker} within timeout={self._loader.timeout:g} s; "
                 "the dataset or collate is slower than that, or stuck"
             )

@@ -5,16 +5,25 @@
 process). Buffers are different. By default (``owner="process"``) they are
 allocated *in the process that created the Manager*, which owns them, and
 their lifetime is run by the :class:`~gpushare._lifetime.Owner` service in
-that process (see that module for the lease protocol). With
-``owner="server"`` the Owner lives in the manager's server process instead
-and every Buffer a client holds is a lease on server memory, so buffers
-outlive the process that asked for them (see :mod:`gpushare._server`).
-In both modes the server process ends when the process that started it
-dies without shutting it down.
+that process (see that module for the lease protocol), made with the first
+buffer. With ``owner="server"`` the Owner lives in the manager's server
+process instead and every Buffer a client holds is a lease on server memory,
+so buffers outlive the process that asked for them (see
+:mod:`gpushare._manager_server`). In both modes the server process ends when
+the process that started it dies without shutting it down.
 
 Sizes are rounded up to a multiple of 2 MiB so that no two buffers ever
 share an exported driver allocation, and freed allocations go to a
 size-class pool keyed by (backend, device, rounded size).
+
+Starting costs what the stdlib's Manager costs plus a little: this module
+imports only what a SyncManager needs, and the buffer machinery (NumPy, the
+backends, the lifetime service, the ring) loads with the first buffer.
+
+Shutting down: :meth:`BufferManager.shutdown`, leaving a ``with`` block,
+garbage collection of the Manager, or interpreter exit. The finalizer that
+does it refers to nothing that refers back to the Manager, so a Manager
+nobody references is collected, and shut down, at once.
 """
 
 from __future__ import annotations
@@ -23,19 +32,19 @@ import math
 import threading
 import warnings
 import weakref
-from collections.abc import Callable
 from multiprocessing import current_process, util
-from multiprocessing.managers import SyncManager
-from typing import Any
+from multiprocessing.managers import State, SyncManager  # type: ignore[attr-defined,unused-ignore]
 
-import numpy as np
-
-from . import _backends, _lifetime, _server
-from ._buffer import Buffer, check_dtype, check_shape
+from . import _manager_server, _seams
 from ._errors import LeakWarning, ManagerClosedError, OutOfMemoryError
-from ._lifetime import Owner
-from ._reduction import rebuild_buffer
-from ._ring import Ring, create_ring
+
+# typing is not imported at run time: it costs every process about 3 ms (see gpushare._seams).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+    from ._buffer import Buffer
+    from ._fanout import Ring
 
 __all__ = ["GRANULARITY", "BufferManager", "round_size"]
 
@@ -43,21 +52,69 @@ __all__ = ["GRANULARITY", "BufferManager", "round_size"]
 GRANULARITY = 2 << 20
 _MAX_BYTES = 1 << 50  # beyond any device; catches overflowing shapes early
 
-
-def _no_default_context() -> Any:
-    raise RuntimeError("gpushare._context was not imported; import gpushare, not its private modules")
-
-
-#: The context of a BufferManager made without ``ctx``: gpushare's default context, set by
-#: gpushare._context when it is imported (it sits above this module, which must not import it).
-default_context: Callable[[], Any] = _no_default_context
-
-
 _DTYPE_NAMES: dict[Any, str] = {}  # dtype -> its name, for allocation labels (few dtypes exist)
 
 
 def round_size(nbytes: int) -> int:
     return max(1, math.ceil(nbytes / GRANULARITY)) * GRANULARITY
+
+
+class _Owning:
+    """What a Manager's buffers need, kept apart from the Manager object so that its
+    finalizer (which holds this) does not keep the Manager alive.
+
+    ``owner="process"``: the Owner of this process, made with the first buffer.
+    ``owner="server"``: the address and token of the server's Owner, read from the
+    server on first use.
+    """
+
+    def __init__(self, mode: str, options: dict[str, Any]) -> None:
+        self.mode = mode
+        self.options = options
+        self.lock = threading.Lock()
+        self.owner: Any = None  # process mode: the Owner
+        self.server: tuple[str, bytes] | None = None  # server mode: (address, token) of the server's Owner
+        self.closed = False
+
+    def local_owner(self) -> Any:
+        if self.closed:
+            raise ManagerClosedError("the Manager was shut down; make a new Manager to allocate buffers")
+        owner = self.owner
+        if owner is None:
+            with self.lock:
+                owner = self.owner
+                if owner is None:
+                    from ._lifetime import Owner
+
+                    owner = self.owner = Owner(authkey=bytes(current_process().authkey), **self.options)
+        return owner
+
+    def server_link(self, fetch: Any) -> Any:
+        """This process's link to the server's Owner (``fetch()`` reads its address once)."""
+        if self.closed:
+            raise ManagerClosedError("the Manager was shut down; make a new Manager to allocate buffers")
+        if self.server is None:
+            with self.lock:
+                if self.server is None:
+                    self.server = fetch()
+        from ._lifetime import link_for
+
+        address, token = self.server  # type: ignore[misc]
+        return link_for(address, token)
+
+    def shutdown(self, timeout: float | None) -> None:
+        """Shut the buffer side down (the server itself is stopped by the caller)."""
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+            owner, server = self.owner, self.server
+        if owner is not None:
+            owner.shutdown(timeout)
+        elif server is not None:
+            wait = self.options["shutdown_timeout"] if timeout is None else timeout
+            for message in _manager_server.shutdown_owner(server[0], server[1], wait):
+                warnings.warn(message, LeakWarning, stacklevel=4)
 
 
 class BufferManager(SyncManager):
@@ -77,7 +134,7 @@ class BufferManager(SyncManager):
         ``"process"`` (default): the process that started the Manager owns the
         memory. ``"server"``: the Manager's server process owns it, and a
         buffer lives while any process holds it, even after the process that
-        asked for it died (see gpushare._server).
+        asked for it died (see gpushare._manager_server).
     """
 
     def __init__(
@@ -95,58 +152,51 @@ class BufferManager(SyncManager):
         **kwargs: Any,
     ) -> None:
         if ctx is None:
-            ctx = default_context()
+            ctx = _seams.default_context()
         super().__init__(address, authkey, serializer, ctx, **kwargs)
         if backend is not None:
+            from . import _backends
+
             _backends.get(backend)  # unknown names fail here, not at first use
         self._default_backend = backend
-        if owner not in _server.OWNER_MODES:
-            raise ValueError(f"owner={owner!r}; valid: {', '.join(map(repr, _server.OWNER_MODES))}")
+        if owner not in _manager_server.OWNER_MODES:
+            raise ValueError(f"owner={owner!r}; valid: {', '.join(map(repr, _manager_server.OWNER_MODES))}")
         self._owner_mode = owner
-        self._server_buffers: Any = None  # owner="server": the proxy of the server's ServerBuffers
-        self._closed = [False]  # set by shutdown()
         self._owner_options: dict[str, Any] = {
             "lease_timeout": lease_timeout,
             "shutdown_timeout": release_timeout,
             "pool_limit": pool_limit,
         }
-        self._owner: Owner | None = None
+        self._owning = _Owning(owner, self._owner_options)
         self._rings: weakref.WeakSet[Ring] = weakref.WeakSet()  # closed at shutdown, before waiting for leases
 
     # -- lifecycle -----------------------------------------------------------
     def start(self, initializer: Any = None, initargs: Any = ()) -> None:
         if initializer is not None and not callable(initializer):
             raise TypeError("initializer must be a callable")
-        options = self._owner_options
-        super().start(_server.server_init, (self._owner_mode, options, initializer, initargs))
+        super().start(_manager_server.server_init, (self._owner_mode, self._owner_options, initializer, initargs))
+        self._install_shutdown()
+
+    def connect(self) -> None:
+        """Connect to a running Manager's server (``address=``). Buffers allocated through a
+        connected Manager are owned as its ``owner=`` says: pass ``owner="server"`` to
+        allocate from the server (a process-owned Manager cannot be shared this way)."""
+        super().connect()
+
+    def _install_shutdown(self) -> None:
         server_shutdown = self.shutdown  # SyncManager.start() installs a Finalize here
         rings = self._rings
-        if self._owner_mode == "server":
-            buffers = self._server()
-
-            def shutdown_owner(timeout: float | None) -> None:
-                _lifetime.close_link(buffers.token())  # this process's buffers go first
-                for message in buffers.shutdown(timeout):
-                    warnings.warn(message, LeakWarning, stacklevel=3)
-
-        else:
-            owner = self._owner = Owner(authkey=bytes(current_process().authkey), **options)
-
-            def shutdown_owner(timeout: float | None) -> None:
-                owner.shutdown(timeout)
-
+        owning = self._owning
         done = threading.Event()
-        self_closed = self._closed  # a list, so the closure does not hold the Manager itself
 
         def shutdown(timeout: float | None = None) -> None:
             if done.is_set():
                 return
             done.set()
-            self_closed[0] = True
             try:
                 for ring in list(rings):
                     ring.close()  # consumers give their slot leases back
-                shutdown_owner(timeout)
+                owning.shutdown(timeout)
             finally:
                 server_shutdown()
 
@@ -157,25 +207,24 @@ class BufferManager(SyncManager):
         # holding buffers get the bounded wait and the leak report, then "bye".
         util.Finalize(self, shutdown, exitpriority=12)
 
-    def _require_owner(self) -> Owner:
-        if self._owner is None:
-            raise ManagerClosedError("the Manager is not started; use 'with gpushare.Manager() as m:'")
-        return self._owner
-
-    def _server(self) -> Any:
-        """owner="server": the proxy of the server's ServerBuffers (made on first use)."""
-        if self._closed[0]:
-            raise ManagerClosedError("the Manager was shut down; make a new Manager to allocate buffers")
-        if self._server_buffers is None:
-            try:
-                self._server_buffers = self._gpushare_buffers()  # type: ignore[attr-defined]
-            except (OSError, EOFError) as exc:
-                raise ManagerClosedError(f"the Manager's server cannot be reached ({exc}); it was shut down") from exc
-        return self._server_buffers
+    def _server_owner(self) -> tuple[str, bytes]:
+        """owner="server": the address and token of the server's Owner (one manager call)."""
+        try:
+            proxy = self._gpushare_owner()  # type: ignore[attr-defined]
+        except (OSError, EOFError) as exc:
+            raise ManagerClosedError(f"the Manager's server cannot be reached ({exc}); it was shut down") from exc
+        value = proxy._getvalue()
+        del proxy  # it holds the Manager: keep none
+        return (str(value[0]), bytes(value[1]))
 
     # -- allocation ------------------------------------------------------------
     def empty(self, shape: Any, dtype: Any = "float32", device: Any = None, *, backend: str | None = None) -> Buffer:
         """An uninitialised buffer (contents are whatever the memory held)."""
+        from . import _backends
+        from ._buffer import Buffer, check_dtype, check_shape
+        from ._reduction import rebuild_buffer
+
+        self._check_started()
         dims = check_shape(shape)
         dt = check_dtype(dtype)
         nbytes = math.prod(dims) * dt.itemsize
@@ -192,9 +241,10 @@ class BufferManager(SyncManager):
                 from . import _cuda
 
                 uuid = _cuda.device_uuid(ordinal)
-            data = self._server().allocate(dims, dt.str, uuid, chosen.name, round_size(nbytes), label)
+            link = self._owning.server_link(self._server_owner)
+            data = link.request("alloc", chosen.name, uuid, round_size(nbytes), label, dt.str, dims)
             return rebuild_buffer(data)  # claims the lease the server took for this process
-        memory = self._require_owner().allocate(chosen, round_size(nbytes), ordinal, label)
+        memory = self._owning.local_owner().allocate(chosen, round_size(nbytes), ordinal, label)
         return Buffer(memory, 0, dims, dt)
 
     def zeros(self, shape: Any, dtype: Any = "float32", device: Any = None, *, backend: str | None = None) -> Buffer:
@@ -207,6 +257,8 @@ class BufferManager(SyncManager):
 
     def from_numpy(self, array: Any, device: Any = None, *, backend: str | None = None) -> Buffer:
         """A buffer holding a copy of ``array`` (host -> device on CUDA)."""
+        import numpy as np
+
         src = np.asarray(array)
         return self.empty(src.shape, src.dtype, device, backend=backend).copy_from(src)
 
@@ -236,8 +288,10 @@ class BufferManager(SyncManager):
         previous wait was shorter than that (a fast stream costs no
         wakeups, sparse items no spinning); True (5 ms) or seconds: that
         long every time, lower latency for a core per process; False: never.
-        See :class:`~gpushare.Ring` and the protocol in ``gpushare._ring``.
+        See :class:`~gpushare.Ring` and the protocol in ``gpushare._fanout``.
         """
+        from ._fanout import create_ring
+
         ring = create_ring(self, shape, dtype, device, slots=slots, consumers=consumers, backend=backend, spin=spin)
         self._rings.add(ring)
         return ring
@@ -251,14 +305,47 @@ class BufferManager(SyncManager):
     def stats(self) -> dict[str, Any]:
         """Counts of buffers, bytes, leases and consumers (see docs/design.md)."""
         if self._owner_mode == "server":
-            return dict(self._server().stats())
-        return self._require_owner().stats()
+            return dict(self._owning.server_link(self._server_owner).request("stats"))
+        owner = self._owning.owner
+        if owner is None:  # no buffer yet
+            return _empty_stats(closed=self._owning.closed)
+        return dict(owner.stats())
 
     def trim(self) -> int:
         """Free every pooled (unused) allocation now; return the bytes freed."""
         if self._owner_mode == "server":
-            return int(self._server().trim())
-        return self._require_owner().trim()
+            return int(self._owning.server_link(self._server_owner).request("trim"))
+        owner = self._owning.owner
+        return 0 if owner is None else int(owner.trim())
+
+    @property
+    def _owner(self) -> Any:
+        """``owner="process"``: this process's Owner (made now if no buffer made it yet)."""
+        self._check_started()
+        return self._owning.local_owner()
+
+    def _check_started(self) -> None:
+        if self._state.value == State.INITIAL:  # type: ignore[attr-defined,unused-ignore]
+            raise ManagerClosedError("the Manager is not started; use 'with gpushare.Manager() as m:'")
 
 
-BufferManager.register("_gpushare_buffers", callable=_server.server_buffers)
+def _empty_stats(closed: bool) -> dict[str, Any]:
+    """What stats() says before the first buffer (no Owner yet)."""
+    return {
+        "live_buffers": 0,
+        "bytes_allocated": 0,
+        "bytes_in_use": 0,
+        "bytes_pooled": 0,
+        "pooled_buffers": 0,
+        "leases": 0,
+        "unclaimed_leases": 0,
+        "consumers": 0,
+        "consumer_pids": [],
+        "backends": {},
+        "reused": 0,
+        "leaked_buffers": 0,
+        "closed": closed,
+    }
+
+
+BufferManager.register("_gpushare_owner", callable=_manager_server.owner_info)

@@ -24,9 +24,16 @@ class Source(Protocol):
 
     def drop(self, memory: Memory) -> None: ...
 
-    def share(self, memory: Memory) -> tuple[int, bytes]: ...
+    def share(self, memory: Memory) -> tuple[int, bytes, bytes]:
+        """A new lease for one receiver: (lease id, ready event, handle)."""
+        ...
 
     def check(self, memory: Memory) -> None: ...
+
+    @property
+    def authkey(self) -> bytes:
+        """The owner's authkey (a Ray object carries it to readers outside the process tree)."""
+        ...
 
 
 class Memory:
@@ -52,8 +59,8 @@ class Memory:
         "templates",
     )
 
-    # Positional or keyword: the consumer makes one per arrival, positionally, which
-    # costs half of a keyword call.
+    # Every caller passes the arguments by position, in this order: a consumer makes one
+    # Memory per arriving buffer, and a keyword call costs about twice a positional one.
     def __init__(
         self,
         backend: Any,
@@ -93,10 +100,17 @@ class Memory:
         # Whether Buffers of this memory must also be released by the interpreter's exit
         # hook (see gpushare._buffer): false for a lease claimed over a link.
         self.exit_release = exit_release
-        # One entry per Buffer holding a count: the first True, the others False.
-        # list.append and list.pop are atomic under the GIL, so counting needs no
-        # lock, and exactly one drop -- the one that pops the first entry -- is the last.
+        # The count of Buffers, kept as a list (one entry per Buffer, the first True):
+        # Buffers are dropped inside the garbage collector, on any thread, where a lock
+        # could deadlock; list.append and list.pop are each one atomic step under the
+        # GIL, so exactly one drop -- the one that pops the first entry -- is the last.
         self._refs: list[bool] = []
+
+    def arm(self, event: Any, pending: bool) -> None:
+        """Wait on ``event`` before the next use (``pending``), or on nothing: a ring slot
+        arriving again, with its publication's event (the ring reuses one Memory per slot)."""
+        self.event = event
+        self.pending = pending
 
     def ready(self) -> None:
         """Block until the producer's work queued before it shared this buffer is done."""

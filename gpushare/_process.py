@@ -7,21 +7,29 @@ What it adds to :class:`multiprocessing.Process`:
   torch and CuPy, pick it up), ``GPUSHARE_DEVICE`` is set so gpushare's own
   defaults follow, and libraries already imported are told too.
 * The process object (target, arguments, attributes) travels to a spawned
-  or forkserver child in one pickle stream made by :func:`dumps`: cloudpickle
-  (so lambdas, closures and functions of an interactive session travel by
-  value) with every reducer registered with multiprocessing's
+  or forkserver child in one pickle stream made by :func:`dumps`. When
+  everything in it can go by reference -- the usual case: a module-level
+  target, the main module's functions when the child re-imports that module
+  -- that stream is exactly what multiprocessing's ``ForkingPickler`` writes,
+  and neither process imports cloudpickle (about 15 ms). Otherwise (lambdas,
+  closures, functions of an interactive session or of ``python -c``) it is
+  cloudpickle's, so those travel by value, with every reducer registered with
   ``ForkingPickler`` in its dispatch table (so queues, pipes, locks,
   ``Value``/``Array``/``Barrier``, buffers, torch tensors -- whatever
-  multiprocessing itself would carry -- travel as they always do), and the
-  main module's functions and classes by reference when the child re-imports
-  that module, exactly as multiprocessing pickles them. One stream keeps
-  object identity: a target's ``self`` that is also in ``args`` arrives as
-  one object.
+  multiprocessing itself would carry -- travel as they always do). Which one
+  is decided by a dry run that pickles into nothing with every registered
+  reducer stubbed out, so that deciding takes no lease, duplicates no fd and
+  moves no tensor into shared memory. One stream keeps object identity: a
+  target's ``self`` that is also in ``args`` arrives as one object.
 * ``start()`` refuses the fork start method once CUDA is initialised in
   this process: a forked child cannot use CUDA, and the error says what to
   use instead.
 * At exit the worker releases every buffer it still holds and closes its
   connections, so the owner recycles the memory at once.
+
+A spawned child imports only what it unpickles: this module, the context's,
+and the target's own. The backends, the CUDA layer and the lifetime service
+load when a worker first touches a device or a buffer.
 """
 
 from __future__ import annotations
@@ -35,17 +43,21 @@ from multiprocessing import reduction as _mp_reduction
 from multiprocessing.context import get_spawning_popen
 from multiprocessing.process import BaseProcess
 from multiprocessing.reduction import ForkingPickler
-from typing import Any
 
-from . import _backends, _cuda, _lifetime
 from ._errors import StartMethodError
+
+# typing is not imported at run time: it costs every process about 3 ms (see gpushare._seams).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["GpuProcessMixin", "cuda_initialized", "dumps"]
 
 
 def cuda_initialized() -> bool:
     """True when CUDA was initialised in this process by gpushare or torch."""
-    if _cuda.initialized():
+    cuda = sys.modules.get("gpushare._cuda")  # not imported: gpushare initialised nothing
+    if cuda is not None and cuda.initialized():
         return True
     torch = sys.modules.get("torch")
     try:
@@ -104,27 +116,109 @@ def _dispatch_table() -> dict[Any, Any]:
     if table.get(types.MethodType) is getattr(_mp_reduction, "_reduce_method", None) and cloud_method is not None:
 
         def reduce_method(method: Any) -> Any:
-            name = method.__func__.__name__
-            try:
-                found = getattr(method.__self__, name, None) == method
-            except Exception:  # an attribute that raises: not findable by name
-                found = False
-            return (getattr, (method.__self__, name)) if found else cloud_method(method)
+            return (
+                (getattr, (method.__self__, method.__func__.__name__))
+                if _method_by_name(method)
+                else cloud_method(method)
+            )
 
         table[types.MethodType] = reduce_method
     return table
 
 
+def _method_by_name(method: Any) -> bool:
+    """Whether ``getattr(method.__self__, its name)`` finds this same bound method."""
+    try:
+        return bool(getattr(method.__self__, method.__func__.__name__, None) == method)
+    except Exception:  # an attribute that raises: not findable by name
+        return False
+
+
+def _by_reference(main: Any, obj: Any) -> bool:
+    """Whether a function or class ``obj`` pickles by reference and the child finds it."""
+    module_name = getattr(obj, "__module__", None)
+    if module_name == "__main__":
+        return _in_main(main, obj) if main is not None else False
+    qualname = getattr(obj, "__qualname__", "")
+    if not module_name or "<" in qualname:  # <lambda>, <locals>: made at run time
+        return False
+    found: Any = sys.modules.get(module_name)
+    for part in qualname.split("."):
+        found = getattr(found, part, None)
+    return found is obj
+
+
+#: ForkingPickler's reducers with no side effect, whose arguments a dry run must look into.
+_PURE_REDUCERS = {
+    getattr(_mp_reduction, name)
+    for name in ("_reduce_method", "_reduce_method_descriptor", "_reduce_partial")
+    if hasattr(_mp_reduction, name)
+}
+
+
+class _ByValueNeededError(Exception):
+    """The dry run met something only cloudpickle carries."""
+
+
+def _stub(obj: Any) -> Any:
+    return (int, ())
+
+
+class _Sink:
+    """Where the dry run writes: nowhere."""
+
+    def write(self, data: Any) -> int:
+        return len(data)
+
+
+def _plain_stream_suffices(obj: Any, main: Any) -> bool:
+    """Dry run: does ``obj`` pickle with multiprocessing's own pickler, every function and
+    class by reference? Nothing is written, and the reducers registered with
+    ForkingPickler, and gpushare's own, are stubbed: they take leases, duplicate fds or
+    move tensors to shared memory, which a dry run must not do. Any failure sends the
+    object to cloudpickle, which carries more, or fails with its own explanation."""
+    import copyreg
+
+    extra = ForkingPickler._extra_reducers  # type: ignore[attr-defined]
+    table = dict(copyreg.dispatch_table)
+    table.update(extra)
+    for kind, reducer in list(table.items()):
+        # Stubbed: connections, sockets, heap arenas, tensors, buffers. Kept: the reducers
+        # multiprocessing registers for methods and partials, which must be looked into.
+        if reducer not in _PURE_REDUCERS and (kind in extra or getattr(kind, "__module__", "").startswith("gpushare")):
+            table[kind] = _stub
+
+    class _DryRun(pickle.Pickler):
+        dispatch_table = table
+
+        def reducer_override(self, value: Any) -> Any:
+            if isinstance(value, (types.FunctionType, type)):
+                if not _by_reference(main, value):
+                    raise _ByValueNeededError
+            elif isinstance(value, types.MethodType) and not _method_by_name(value):
+                raise _ByValueNeededError
+            return NotImplemented
+
+    try:
+        _DryRun(_Sink(), protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    except Exception:
+        return False
+    return True
+
+
 def dumps(obj: Any) -> bytes:
-    """Pickle ``obj`` for a child process: cloudpickle + ForkingPickler's reducers.
+    """Pickle ``obj`` for a child process (see the module docstring).
 
     Must run while multiprocessing is spawning the child (inside its own
     pickling of the process object) for the objects that only pickle then:
     locks, semaphores, connections, the authkey.
     """
-    import cloudpickle
-
     main = _main_module_reimported()
+    if _plain_stream_suffices(obj, main):
+        out = io.BytesIO()
+        ForkingPickler(out, pickle.HIGHEST_PROTOCOL).dump(obj)
+        return out.getvalue()
+    import cloudpickle
 
     class _ChildPickler(cloudpickle.Pickler):
         dispatch_table = _dispatch_table()  # the C pickler reads it once, in __init__
@@ -156,6 +250,8 @@ def bind_device(device: int | str | None) -> None:
         return
     assert isinstance(device, int)
     os.environ["GPUSHARE_DEVICE"] = str(device)
+    from . import _cuda
+
     _cuda.make_current(device)
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available():
@@ -180,7 +276,9 @@ class GpuProcessMixin(BaseProcess):
         device: Any = None,
     ) -> None:
         super().__init__(group, target, name, args, kwargs or {}, daemon=daemon)
-        self._device = _backends.parse_device(device)
+        from ._backends import parse_device
+
+        self._device = parse_device(device)
 
     @property
     def device(self) -> int | str | None:
@@ -219,4 +317,6 @@ class GpuProcessMixin(BaseProcess):
         try:
             super().run()
         finally:
-            _lifetime.close_links()
+            lifetime = sys.modules.get("gpushare._lifetime")  # not imported: no link to close
+            if lifetime is not None:
+                lifetime.close_links()

@@ -3,23 +3,24 @@
 :class:`multiprocessing.Queue` pickles items later, in a feeder thread.
 For buffers that is a trap: ``q.put(buf); buf.release()`` would release
 the buffer before it was ever described, and the feeder thread would fail
-with nobody to see the error. gpushare's queues pickle in ``put()``
-itself, so the item is captured (and a buffer's lease taken) before
-``put()`` returns, and an unpicklable item raises in the caller. The
-feeder thread then only moves bytes; ``get()`` only turns a buffer's
-captured form back into a Buffer (below).
+with nobody to see the error. gpushare's queues capture each item in
+``put()`` itself, so a buffer's lease is taken before ``put()`` returns,
+and an unpicklable item raises in the caller.
 
-Capturing costs as little as it can: an immutable plain value (None, a
-number, a string, bytes, or a small tuple of those) cannot change before
-the feeder pickles it, so it is put as it is; anything else is pickled in
-``put()`` and unpickled by the receiver in one extra step. A Buffer is
-shared now (its lease taken, its descriptor filled in) and travels as the
-plain pair ``(BUFFER_TAG, descriptor bytes)``, which ``get()`` rebuilds:
-a pair of a string and bytes unpickles without looking up a global, where
-a pickled Buffer costs the receiver ``find_class`` (an import by name, on
-every load: more than the rest of unpickling it). A user's own tuple that
-begins with the tag is sent pickled inside ``(BUFFER_TAG, pickle, None)``,
-so that no item comes out of ``get()`` other than it went in.
+What ``put()`` hands the feeder thread, and what travels:
+
+* an immutable plain value (None, a number, a string, bytes, or a small
+  tuple of those) cannot change before the feeder pickles it: it goes as it
+  is, and the feeder pickles it, as multiprocessing's does;
+* a Buffer: its wire form (:func:`gpushare._reduction.queue_pickle`, the
+  same pickle a Pipe or a Process argument carries), built in ``put()``;
+* anything else: pickled in ``put()`` with multiprocessing's ForkingPickler.
+
+The last two are :class:`_Pickled` bytes, which this queue's own feeder
+thread (:func:`_feed`) writes to the pipe as they are: each item is pickled
+exactly once. ``get()`` reads a buffer's descriptor straight out of its
+bytes (:func:`gpushare._reduction.from_queue_pickle`) and unpickles anything
+else, so what comes out of ``get()`` is always exactly what went in.
 
 ``get()`` also ends when the process that created the queue is gone.
 With :mod:`multiprocessing`, a consumer waiting on a queue whose producer
@@ -51,19 +52,24 @@ without building it each time.
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import queue
 import select
+import sys
+import threading
 import time
+import weakref
 from multiprocessing import queues, util
 from multiprocessing.reduction import ForkingPickler
-from typing import Any
 
-from ._buffer import Buffer
 from ._errors import OwnerGoneError
-from ._reduction import rebuild_buffer, share_bytes
-from ._service import process_alive
+
+# typing is not imported at run time: it costs every process about 3 ms (see gpushare._seams).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["JoinableQueue", "Queue"]
 
@@ -79,43 +85,96 @@ def _settled(obj: Any, depth: int = 0) -> bool:
     return kind is tuple and depth < 2 and len(obj) <= 16 and all(_settled(item, depth + 1) for item in obj)
 
 
-BUFFER_TAG = "gpushare.Buffer\x00"  # first of the pair a Buffer travels as (see the module docstring)
-
-
-def _tagged(obj: Any) -> bool:
-    """Whether ``obj`` is a tuple that begins with BUFFER_TAG."""
-    return type(obj) is tuple and len(obj) > 1 and type(obj[0]) is str and obj[0] == BUFFER_TAG
-
-
-def _capture(obj: Any) -> Any:
-    """What put() hands to the feeder thread in place of ``obj``."""
-    kind = type(obj)
-    if kind is Buffer:  # first: the item a gpushare queue is for
-        return (BUFFER_TAG, share_bytes(obj))
-    if kind is tuple and _tagged(obj):  # a user's tuple that would read as a buffer
-        return (BUFFER_TAG, bytes(ForkingPickler.dumps(obj)), None)
-    if _settled(obj):
-        return obj
-    return _Pickled(bytes(ForkingPickler.dumps(obj)))
-
-
-def _restore(item: tuple[Any, ...]) -> Any:
-    """get(): the item a tagged tuple stands for (a Buffer, or a user's tuple)."""
-    if len(item) == 2:
-        return rebuild_buffer(item[1])
-    return ForkingPickler.loads(item[1])
-
-
 class _Pickled:
-    """An item already pickled by ``put()``; unpickles to the item itself."""
+    """An item already pickled by ``put()``: the feeder writes ``data`` as it is."""
 
     __slots__ = ("data",)
 
     def __init__(self, data: bytes) -> None:
         self.data = data
 
-    def __reduce__(self) -> tuple[Any, tuple[bytes]]:
-        return (ForkingPickler.loads, (self.data,))
+
+class _NoBufferYet:
+    """Stands for the Buffer class until gpushare._buffer is loaded: before that, no Buffer exists."""
+
+
+_Buffer: type = _NoBufferYet  # gpushare._buffer.Buffer, found once it is loaded (not imported here:
+_queue_pickle: Any = None  # a child that only passes plain items never loads NumPy or the CUDA layer)
+
+
+def _capture(obj: Any) -> Any:
+    """What put() hands to the feeder thread in place of ``obj``."""
+    global _Buffer, _queue_pickle
+    kind = type(obj)
+    if kind is _Buffer:  # first: the item a gpushare queue is for
+        return _Pickled(_queue_pickle(obj))
+    if _settled(obj):
+        return obj
+    if _Buffer is _NoBufferYet and "gpushare._buffer" in sys.modules:
+        from ._buffer import Buffer
+        from ._reduction import queue_pickle
+
+        _Buffer, _queue_pickle = Buffer, queue_pickle
+        return _capture(obj)
+    return _Pickled(bytes(ForkingPickler.dumps(obj)))
+
+
+def _restore(data: bytes) -> Any:
+    """get(): the item ``data`` is the pickle of."""
+    if data[:2] == b"\x80\x05" and data[-3:] == b"\x85R.":  # maybe a Buffer's wire form
+        from ._reduction import from_queue_pickle
+
+        buf = from_queue_pickle(data)
+        if buf is not None:
+            return buf
+    return ForkingPickler.loads(data)
+
+
+def _process_alive(pid: int) -> bool:
+    from ._authsocket import process_alive
+
+    return process_alive(pid)
+
+
+def _feed(buffer: Any, notempty: Any, send_bytes: Any, writelock: Any, reader_close: Any, writer_close: Any,
+          ignore_epipe: bool, onerror: Any, queue_sem: Any) -> None:  # fmt: skip
+    """The feeder thread: what multiprocessing's does, but an item ``put()`` already
+    pickled is written as it is (see the module docstring).
+
+    It takes items from ``buffer`` as they come, pickles the ones still to be
+    pickled outside the write lock, and writes each under it. The stdlib's close
+    (``Queue._finalize_close``) puts multiprocessing's own end marker in the buffer:
+    then it closes the pipe's ends and returns. An error writing an item gives its
+    place in the queue back and reports it (``onerror``), unless the process is
+    exiting (its pipes may already be closed) or the reader went away and the
+    queue ignores that.
+    """
+    end = queues._sentinel  # type: ignore[attr-defined]  # what Queue._finalize_close appends
+    while True:
+        with notempty:
+            if not buffer:
+                notempty.wait()
+        try:
+            while buffer:
+                item = buffer.popleft()
+                if item is end:
+                    reader_close()
+                    writer_close()
+                    return
+                data = item.data if type(item) is _Pickled else ForkingPickler.dumps(item)
+                if writelock is None:
+                    send_bytes(data)
+                else:
+                    with writelock:
+                        send_bytes(data)
+        except Exception as exc:
+            if ignore_epipe and getattr(exc, "errno", 0) == errno.EPIPE:
+                return
+            if util.is_exiting():
+                util.info("error in queue thread: %s", exc)
+                return
+            queue_sem.release()
+            onerror(exc, item)
 
 
 WATCH_INTERVAL = 0.5  # seconds a blocking get() waits between checks that the creator lives
@@ -184,16 +243,27 @@ class _ReaderPoll:
 
 
 class _CaptureAndWatch:
-    """put() captures the item now; get() ends when the creator is gone."""
+    """put() captures the item now; get() ends when the creator is gone. Over a
+    ``multiprocessing.queues`` class, whose attributes these are."""
 
-    _opid: int  # multiprocessing's: the pid of the process that made the queue
+    _opid: int
     _closed: bool
-
     _buffer: Any
     _notempty: Any
     _sem: Any
+    _rlock: Any
+    _wlock: Any
     _reader: Any
+    _writer: Any
     _poll: Any
+    _recv_bytes: Any
+    _send_bytes: Any
+    _ignore_epipe: bool
+    _thread: Any
+    _jointhread: Any
+    _joincancelled: bool
+    _close: Any
+    _on_queue_feeder_error: Any
     _exit_checked = False  # put() looked whether this process must announce its exit
 
     def _reset(self, after_fork: bool = False) -> None:
@@ -202,6 +272,25 @@ class _CaptureAndWatch:
         super()._reset(after_fork)  # type: ignore[misc]
         if hasattr(select, "poll"):
             self._poll = _ReaderPoll(self._reader)
+
+    def _start_thread(self) -> None:
+        """Start this queue's feeder (:func:`_feed`), as multiprocessing starts its own:
+        the same exit-time join of the thread and the same close when collected."""
+        self._buffer.clear()
+        self._thread = threading.Thread(
+            target=_feed,
+            args=(self._buffer, self._notempty, self._send_bytes, self._wlock, self._reader.close,
+                  self._writer.close, self._ignore_epipe, self._on_queue_feeder_error, self._sem),
+            name="QueueFeederThread",
+            daemon=True,
+        )  # fmt: skip
+        self._thread.start()
+        stdlib: Any = queues.Queue  # its finalizers, which typeshed does not list
+        if not self._joincancelled:
+            self._jointhread = util.Finalize(
+                self._thread, stdlib._finalize_join, [weakref.ref(self._thread)], exitpriority=-5
+            )
+        self._close = util.Finalize(self, stdlib._finalize_close, [self._buffer, self._notempty], exitpriority=10)
 
     def put(self, obj: Any, block: bool = True, timeout: float | None = None) -> None:
         super().put(_capture(obj), block, timeout)  # type: ignore[misc]
@@ -217,10 +306,7 @@ class _CaptureAndWatch:
 
     def get(self, block: bool = True, timeout: float | None = None) -> Any:
         item = self._get(block, timeout)
-        kind = type(item)
-        if kind is tuple:
-            return _restore(item) if _tagged(item) else item
-        if kind is not _CreatorExited:
+        if type(item) is not _CreatorExited:
             return item
         # The creator exited. Other processes may still be putting: go on while items
         # keep coming, and leave the marker behind them for the next consumer.
@@ -229,8 +315,6 @@ class _CaptureAndWatch:
         except queue.Empty:
             after = item
         self._pass_on(item)
-        if _tagged(after):
-            return _restore(after)
         if type(after) is not _CreatorExited:
             return after
         raise OwnerGoneError(
@@ -252,26 +336,48 @@ class _CaptureAndWatch:
             pass
 
     def _get(self, block: bool, timeout: float | None) -> Any:
-        get = super().get  # type: ignore[misc]
+        """The next item; a blocking wait checks every WATCH_INTERVAL that the creator lives."""
         if not block:
-            return get(False)
+            return _restore(self._receive(False, None))
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             wait = WATCH_INTERVAL if deadline is None else min(WATCH_INTERVAL, max(0.0, deadline - time.monotonic()))
             try:
-                return get(True, wait)
+                return _restore(self._receive(True, wait))
             except queue.Empty:
                 if deadline is not None and time.monotonic() >= deadline:
                     raise
-            if self._opid != os.getpid() and not process_alive(self._opid):
+            if self._opid != os.getpid() and not _process_alive(self._opid):
                 try:
-                    return get(False)  # what it put before it died comes first
+                    return _restore(self._receive(False, None))  # what it put before it died comes first
                 except queue.Empty:
                     raise OwnerGoneError(
                         f"the process that created this queue (pid {self._opid}) is gone and the queue is "
                         "empty; nothing more will come from it. Its buffers' memory may be gone too; "
                         "end this worker, or use Manager(owner='server') for buffers that outlive it"
                     ) from None
+
+    def _receive(self, block: bool, timeout: float | None) -> bytes:
+        """One item's bytes from the pipe (multiprocessing's get, less the unpickling, which
+        ``_restore`` does outside the read lock); raises queue.Empty like it."""
+        if self._closed:
+            raise ValueError(f"Queue {self!r} is closed")
+        if block and timeout is None:
+            with self._rlock:
+                data: bytes = self._recv_bytes()
+            self._sem.release()
+            return data
+        deadline = time.monotonic() + timeout if block and timeout is not None else 0.0
+        if not self._rlock.acquire(block, timeout):
+            raise queue.Empty
+        try:
+            if not self._poll(max(0.0, deadline - time.monotonic()) if block else 0.0):
+                raise queue.Empty
+            data = self._recv_bytes()
+            self._sem.release()
+        finally:
+            self._rlock.release()
+        return data
 
 
 class Queue(_CaptureAndWatch, queues.Queue):  # type: ignore[type-arg]

@@ -22,7 +22,7 @@ Data flow:
   present): the reader connects to the owner with the authkey carried in
   the object (Ray workers are not in the Manager's process tree), asks for
   a lease of its own through the pinned one (the ``lease`` message,
-  :meth:`gpushare._lifetime.Owner.lease_via`) and maps the memory: the
+  ``Owner.leases.lease_via``) and maps the memory: the
   reader gets a :class:`~gpushare.Buffer` over the *same* memory, under a
   lease released by ``release()``, garbage collection or the worker's death,
   like any gpushare consumer.
@@ -54,7 +54,7 @@ from typing import Any
 import numpy as np
 
 from . import _lifetime
-from ._buffer import Buffer
+from ._buffer import Buffer, memory_of
 from ._descriptor import Descriptor
 from ._errors import DescriptorError, GpushareError, OwnerGoneError
 from ._reduction import attach_buffer, descriptor_of
@@ -117,11 +117,8 @@ class NodeCopy(np.ndarray):
 
 
 def _authkey_of(buf: Buffer) -> bytes:
-    source: Any = buf._memory.source
-    owner = getattr(source, "owner", None)
-    if owner is not None:  # the owner's own buffer, or one unpickled in its process
-        return bytes(owner.authkey)
-    return bytes(source.link.authkey)  # a received buffer re-shared
+    """The owner's authkey (a received buffer's source knows it from its link)."""
+    return bytes(memory_of(buf).source.authkey)
 
 
 def reduce_for_ray(buf: Buffer) -> tuple[Any, tuple[Any, ...]]:
@@ -132,7 +129,7 @@ def reduce_for_ray(buf: Buffer) -> tuple[Any, tuple[Any, ...]]:
     desc = descriptor_of(buf)
     owner = _lifetime.owner_for(desc.owner_token)
     if owner is not None:  # Ray may read the object many times or never: no warning either way
-        owner.quiet_lease(desc.lease_id)
+        owner.leases.quiet(desc.lease_id)
     return _rebuild, (desc.to_bytes(), node_identity(), ray.get_runtime_context().get_node_id(), authkey)
 
 
@@ -141,7 +138,7 @@ def _attach_here(desc: Descriptor, authkey: bytes) -> Buffer:
     try:
         owner = _lifetime.owner_for(desc.owner_token)
         if owner is not None:
-            lease = owner.lease_via(desc.alloc_id, desc.generation, desc.lease_id, _lifetime.LOCAL)
+            lease = owner.leases.lease_via(desc.alloc_id, desc.generation, desc.lease_id, _lifetime.LOCAL)
         else:
             link = _lifetime.link_for(desc.address, desc.owner_token, authkey)
             lease = int(link.request("lease", desc.alloc_id, desc.generation, desc.lease_id))

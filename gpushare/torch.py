@@ -43,8 +43,8 @@ except ImportError as exc:  # pragma: no cover - exercised where torch is missin
 import numpy as np
 
 from . import _loader
+from ._batch import SlotArray, SlotWriter
 from ._loader import SlotLoader
-from ._slots import SlotArray, SlotWriter
 
 __all__ = ["DataLoader"]
 

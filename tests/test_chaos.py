@@ -97,7 +97,6 @@ class Epoch:
     values: dict[int, float] = field(default_factory=dict)  # every live buffer's value
     pool: int = 0  # allocations back in the Manager's pool
     alive: bool = True
-    producer_linked: bool = False  # owner="server": the producer connects to the server's owner at its first buffer
 
 
 @dataclass
@@ -240,7 +239,6 @@ class LifetimeMachine(RuleBasedStateMachine):
         self.produce("alloc", key, value)
         e = self.epoch
         e.keys[key] = e.values[key] = value
-        e.producer_linked = True
         if e.pool:
             e.pool -= 1
 
@@ -333,7 +331,6 @@ class LifetimeMachine(RuleBasedStateMachine):
     def ring_open(self) -> None:
         self.produce("ring_open")
         self.ring = RingModel(self.epoch.number)
-        self.epoch.producer_linked = True
         self.epoch.pool -= min(self.epoch.pool, SLOTS)
 
     @precondition(lambda self: self.ring is not None and any(n not in self.ring.members for n in self.consumers))
@@ -478,9 +475,10 @@ class LifetimeMachine(RuleBasedStateMachine):
         holds = sum(1 for c in self.consumers.values() for n, _ in c.held.values() if n == e.number)
         leases = holds + members * SLOTS
         connected = sum(1 for c in self.consumers.values() if e.number in c.connected)
-        if e.owner == "server":  # the producer's own buffers are leases too, and it is a consumer
+        if e.owner == "server":  # the producer's own buffers are leases too, and it is a consumer:
             leases += len(e.keys) + (SLOTS if ring else 0)
-            connected += e.producer_linked
+            connected += 1  # it asks the server's owner for stats over its link, so it is connected
+
         live = len(e.values) + (SLOTS if ring else 0)
         return {
             "live_buffers": live,

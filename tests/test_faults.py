@@ -21,7 +21,7 @@ import pytest
 from conftest import BACKENDS, device_for, guarded, recv, wait_until
 
 import gpushare as mp
-from gpushare._service import process_alive
+from gpushare._authsocket import process_alive
 
 T = 60  # seconds any single wait in a worker may take
 N = 1024  # float32 elements per test buffer
@@ -387,7 +387,7 @@ def test_a_hung_mapper_makes_the_owner_leak_rather_than_free(manager, reap, back
         # The signal stops its threads a moment after kill() returns; an "unmap" that
         # reached its reader thread before then is answered (and the memory rightly freed).
         wait_until(lambda: stopped(proc.pid))
-        manager._owner.unmap_timeout = 0.5
+        manager._owner.unmapper.timeout = 0.5
         with pytest.warns(mp.LeakWarning, match=rf"still mapped by process\(es\) \[{proc.pid}\]"):
             assert manager.trim() == 0  # nothing freed under a process that may still reach it
         stats = manager.stats()
@@ -514,7 +514,7 @@ def test_owner_mode_is_checked() -> None:
 
 
 def test_a_dead_owners_socket_directory_is_removed_only_when_stale(tmp_path, monkeypatch) -> None:
-    from gpushare import _server, _service
+    from gpushare import _authsocket, _manager_server
 
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     stale = tmp_path / "gpushare-owner-424242-abc"
@@ -525,12 +525,12 @@ def test_a_dead_owners_socket_directory_is_removed_only_when_stale(tmp_path, mon
     (foreign / "notes.txt").touch()  # not only sockets: not ours to remove
     other = tmp_path / "gpushare-owner-434343-abc"
     other.mkdir()
-    assert _server.remove_stale_sockets(424242) == [str(stale)]
+    assert _manager_server.remove_stale_sockets(424242) == [str(stale)]
     assert not stale.exists() and foreign.exists() and other.exists()
-    listener = _service.UnixListener("owner", lambda sock: sock.close())
+    listener = _authsocket.UnixListener("owner", lambda sock: sock.close())
     try:
         assert os.path.dirname(listener.address).startswith(str(tmp_path / f"gpushare-owner-{os.getpid()}-"))
-        assert _server.remove_stale_sockets(os.getpid()) == []  # it answers: alive, kept
+        assert _manager_server.remove_stale_sockets(os.getpid()) == []  # it answers: alive, kept
         assert os.path.exists(listener.address)
     finally:
         listener.close()

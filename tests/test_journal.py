@@ -142,12 +142,12 @@ def claim_all_then_release(data, results, journal) -> None:
     results.put(("claimed", len(bufs), total))
     for b in bufs:
         b.release()  # every one a release record
-    link = next(iter(_lifetime._links.values()))
-    results.put(("journal", link._journal is not None))
+    link = _lifetime.links()[0]
+    results.put(("journal", link.recorder.has_journal))
     deadline = time.monotonic() + 30
-    while link._backlog and time.monotonic() < deadline:  # the writer thread empties what did not fit
+    while link.recorder.backlog() and time.monotonic() < deadline:  # the writer thread empties what did not fit
         time.sleep(0.01)
-    results.put(("backlog", len(link._backlog)))
+    results.put(("backlog", link.recorder.backlog()))
 
 
 @pytest.mark.parametrize("journal", [True, False], ids=["journal", "messages"])

@@ -22,7 +22,7 @@ import pytest
 from conftest import ROOT, subprocess_env, wait_until
 
 import gpushare as mp
-from gpushare import _service
+from gpushare import _authsocket
 
 # -- datasets (module level: spawn pickles them by reference) --------------------------------
 
@@ -97,7 +97,7 @@ def loader(dataset: object, manager: mp.BufferManager, **options: object) -> mp.
 
 
 def all_gone(pids: list[int]) -> bool:
-    return not any(_service.process_alive(pid, sentinel=False) for pid in pids)
+    return not any(_authsocket.process_alive(pid, sentinel=False) for pid in pids)
 
 
 def no_leases(manager: mp.BufferManager) -> bool:
@@ -308,7 +308,7 @@ def test_gpushare_torch_without_torch_says_what_to_do() -> None:
 
 
 def test_worker_exceptions_come_back_as_their_type_or_a_loader_error() -> None:
-    from gpushare._slots import exception_payload, rebuild_exception
+    from gpushare._batch import exception_payload, rebuild_exception
 
     class LocalError(Exception):  # not picklable by reference
         pass

@@ -20,8 +20,8 @@ from conftest import fill_behind_a_running_kernel, wait_until
 
 import gpushare as mp
 from gpushare import _backends
-from gpushare._ring._channel import ENTRY, INLINE_META, RECORDED, SLOT_RECORDED, Channel
-from gpushare._ring._common import SPIN_AUTO, SPIN_DEFAULT, SpinPolicy
+from gpushare._fanout._channel import ENTRY, INLINE_META, RECORDED, SLOT_RECORDED, Channel
+from gpushare._fanout._wire import SPIN_AUTO, SPIN_DEFAULT, SpinPolicy
 
 SHAPE = (32, 16)
 

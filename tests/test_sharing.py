@@ -262,16 +262,18 @@ def echo_items(jobs, results, count) -> None:
 
 
 def test_items_shaped_like_a_queued_buffer_arrive_as_themselves(manager, reap) -> None:
-    # A Buffer crosses a gpushare queue as (BUFFER_TAG, descriptor bytes); a user's
-    # tuple of that shape, plain or not, must come out of get() as it went in.
-    from gpushare._queues import BUFFER_TAG
+    # A Buffer crosses a gpushare queue as its pickle, which get() reads without the
+    # unpickler; bytes, and tuples of bytes, that look like that pickle (or are it)
+    # must come out of get() as they went in.
+    from gpushare._reduction import queue_pickle
 
     buf = manager.full((4,), 2.0, device="cpu")
+    looks_like = queue_pickle(manager.full((4,), 1.0, device="cpu"))  # a real one, sent as bytes
     items = [
-        (BUFFER_TAG, b"not a descriptor"),
-        (BUFFER_TAG, b"x", None),
-        (BUFFER_TAG, [1, 2]),
-        (BUFFER_TAG,),
+        looks_like,
+        (looks_like,),
+        looks_like[:-3] + b"\x85R.",
+        b"\x80\x05" + b"\x85R.",
         ("buffer", 8.0),
     ]
     jobs, results = mp.Queue(), mp.Queue()
@@ -282,8 +284,8 @@ def test_items_shaped_like_a_queued_buffer_arrive_as_themselves(manager, reap) -
     buf.release()
     assert [results.get(timeout=30) for _ in items] == items
     local = mp.Queue()  # and in the putting process
-    local.put((BUFFER_TAG, b"y"))
-    assert local.get(timeout=5) == (BUFFER_TAG, b"y")
+    local.put(looks_like)
+    assert local.get(timeout=5) == looks_like
 
 
 def test_put_of_unpicklable_item_raises_in_caller() -> None:

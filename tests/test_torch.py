@@ -19,7 +19,7 @@ from conftest import wait_until
 torch = pytest.importorskip("torch")
 
 import gpushare as mp  # noqa: E402
-from gpushare import _service  # noqa: E402
+from gpushare import _authsocket  # noqa: E402
 from gpushare.torch import DataLoader  # noqa: E402
 
 # -- datasets (module level: spawn pickles them by reference) --------------------------------
@@ -61,7 +61,7 @@ def sum_collate(samples: list[tuple[torch.Tensor, int, str]]) -> tuple[torch.Ten
 
 
 def all_gone(pids: list[int]) -> bool:
-    return not any(_service.process_alive(pid, sentinel=False) for pid in pids)
+    return not any(_authsocket.process_alive(pid, sentinel=False) for pid in pids)
 
 
 @pytest.fixture(scope="module")

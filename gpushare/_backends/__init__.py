@@ -16,7 +16,7 @@ from .. import _cuda
 from .._errors import BackendUnavailableError, NoDeviceError
 from ._base import Allocation, Backend, Mapping
 
-__all__ = ["BACKENDS", "Allocation", "Backend", "Mapping", "get", "parse_device", "resolve"]
+__all__ = ["BACKENDS", "Allocation", "Backend", "Mapping", "get", "opens", "parse_device", "resolve"]
 
 #: Every backend name, in the order ``python -m gpushare info`` lists them.
 BACKENDS = ("cuda_ipc", "cuda_vmm", "cuda_pool", "host")
@@ -56,6 +56,11 @@ def get(name: str) -> Backend:
                 raise BackendUnavailableError(f"unknown backend {name!r}; valid backends are {', '.join(BACKENDS)}")
             _instances[name] = backend
     return backend
+
+
+def opens() -> dict[str, int]:
+    """Handles each backend has actually mapped in this process (cache hits do not count)."""
+    return {name: backend.opens for name, backend in _instances.items()}
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -31,8 +31,6 @@ import os
 import secrets
 from typing import Any
 
-import numpy as np
-
 from .._errors import OutOfMemoryError
 from . import _base
 
@@ -49,8 +47,8 @@ _PREFIX = "/gpushare-"
 
 
 def _address(mm: mmap.mmap) -> int:
-    view = np.frombuffer(mm, dtype=np.uint8, count=1)
-    addr = int(view.ctypes.data)
+    view = ctypes.c_char.from_buffer(mm)  # an export of the mapping, dropped at once
+    addr = ctypes.addressof(view)
     del view
     return addr
 
@@ -119,6 +117,8 @@ class HostBackend(_base.Backend):
         if len(set(pattern)) <= 1:
             ctypes.memset(ptr, pattern[0] if pattern else 0, nbytes)
             return
+        import numpy as np  # only multi-byte patterns need it (float fills)
+
         count = nbytes // len(pattern)
         target = (ctypes.c_char * nbytes).from_address(ptr)
         np.frombuffer(memoryview(target), dtype=np.uint8).reshape(count, len(pattern))[:] = np.frombuffer(

@@ -5,22 +5,22 @@ has closed it is undefined behaviour. This module makes the order explicit.
 
 Owner side (:class:`Owner`, one per Manager, in the process that allocates)
 ---------------------------------------------------------------------------
-* Every allocation is a *slot* with an id and a *generation* (bumped each
-  time the pool hands the slot out again).
-* The owner's own Buffers hold one *owner reference* on the slot.
-* Each pickling of a buffer takes a *lease* on the slot (:meth:`Owner.take_lease`).
+* Every allocation has an id and a *generation* (bumped each time the pool
+  hands it out again).
+* The owner's own Buffers hold one *owner reference* on the allocation.
+* Each pickling of a buffer takes a *lease* on the allocation (``Owner.leases.take``).
   The lease is *unclaimed* until the process that unpickles the buffer
   claims it over its authenticated connection; an unclaimed lease expires
   after ``lease_timeout`` seconds with a :class:`LeaseExpiredWarning`.
 * A lease is released by its holder (``release()``, garbage collection,
   worker exit), or when the holder's connection closes: a SIGKILLed
   worker's socket closes at once, so nothing stays pinned.
-* When a slot has neither an owner reference nor a lease it goes back to a
-  size-class pool and is reused by the next allocation of that size.
+* When an allocation has neither an owner reference nor a lease it goes back
+  to a size-class pool and is reused by the next allocation of that size.
 * Memory is freed (``trim()``, shutdown, pool over its limit) only after
   every process that mapped it has unmapped: the owner sends ``unmap`` to
   each mapper and waits for ``unmapped``; a mapper that cannot unmap, or
-  does not answer in time, makes the owner leak the slot rather than free
+  does not answer in time, makes the owner leak the allocation rather than free
   memory someone may still reach.
 * At shutdown the owner waits (bounded) for leases to come back, then
   reports what is still leased with a :class:`LeakWarning` naming it.
@@ -59,29 +59,37 @@ closed: the descriptor named another Manager), ``("claim", req, lease, alloc)``
 journal), ``("batch", [lease...], [lease...])`` (no journal: claims, then
 releases), ``("lease", req, alloc, generation, lease it came under)``
 (re-sharing: answered with the new lease; the re-sharing process records
-its own ready event),
-``("fd", req, alloc)``, ``("unmapped", alloc, ok)``; owner -> consumer
-``("ok", req, value)``, ``("okfd", req, None)`` immediately followed on the
-socket by one file descriptor (SCM_RIGHTS: the fd-based backends'
-allocation or pool handle, sent only for an allocation the consumer holds
-a lease on), ``("err", req, message)``, ``("claim_failed", lease, message)``
-(an asynchronous claim was refused), ``("unmap", alloc)``, ``("bye", reason)``.
-The owner reads a consumer's journal before it handles any message from
-it, so records always count before whatever the consumer sent after them.
+its own ready event), ``("fd", req, alloc)``, ``("unmapped", alloc, ok)``,
+and the requests a process makes of the owner as a whole:
+``("alloc", req, backend, device uuid, nbytes, label, dtype, shape)``
+(allocate memory for the asker, answered with a descriptor under a new
+lease that the asker then claims like any other: how a client of a
+server-owned Manager allocates, and how a loader's workers get slots that
+the trainer owns), ``("stats", req)`` and ``("trim", req)``;
+owner -> consumer ``("ok", req, value)``, ``("okfd", req, None)`` immediately
+followed on the socket by one file descriptor (SCM_RIGHTS: the fd-based
+backends' allocation or pool handle, sent only for an allocation the
+consumer holds a lease on), ``("err", req, message)``, ``("claim_failed",
+lease, message)`` (an asynchronous claim was refused), ``("unmap", alloc)``,
+``("bye", reason)``. The owner reads a consumer's journal before it handles
+any message from it, so records always count before whatever the consumer
+sent after them.
 
-Where each part lives (the Owner and the Link are their parts stacked, each part a
-class whose docstring states its share of the protocol):
+Where each part lives. Both sides are objects composed of parts, each with
+its own state and methods (no part is a base class of another):
 
-* owner side: ``_pool`` (the owner's state and the size-class pool), ``_leases`` (the
-  lease table; deferred finalizer work; reading the consumers' journals), ``_unmap``
-  (the unmap protocol and freeing), ``_serve`` (the socket service loop, the message
-  handler, housekeeping), ``_owner`` (``Owner``: allocation, owner references, stats,
-  shutdown); ``_records`` holds the slot, lease and peer records;
-* consumer side: ``_channel`` (requests, the reader thread, answering ``unmap``),
-  ``_recorder`` (lease records: the journal writer and its backlog), ``_link``
-  (``Link``: connecting, attaching descriptors, closing; ``attach`` and the per-process
-  links);
-* both: ``_common`` (constants, the ready events).
+* owner side: :class:`Owner` (``_owner``: allocation, the owner's own
+  references, stats, shutdown) holds a :class:`~._alloc_pool.AllocationPool`,
+  a :class:`~._lease_table.LeaseTable` (leases, the journals, deferred
+  finalizer work), an :class:`~._unmapper.Unmapper` (the unmap protocol and
+  freeing) and a :class:`~._request_loop.RequestLoop` (the socket service and
+  housekeeping); they share one :class:`~._records.OwnerState` and its lock;
+  ``_records`` holds the allocation, lease and peer records;
+* consumer side: :class:`Link` (``_link``: attaching descriptors, the mapping
+  cache, closing) holds an :class:`~._connection.OwnerConnection` (requests,
+  the reader thread) and a :class:`~._recorder.LeaseRecorder` (lease records,
+  the writer thread);
+* both: ``_protocol`` (constants, warnings) and ``_ready`` (ready events).
 
 The service hands out :class:`~gpushare._memory.Memory` references; the layer above
 (:mod:`gpushare._reduction`, the Manager) wraps them in Buffers.
@@ -89,9 +97,19 @@ The service hands out :class:`~gpushare._memory.Memory` references; the layer ab
 
 from __future__ import annotations
 
-from ._common import LOCAL
-from ._link import Link, attach, close_link, close_links, link_for, link_stats
-from ._link import _links as _links  # tests read the open links
+from ._link import Link, attach, close_link, close_links, link_for, link_stats, links
 from ._owner import Owner, owner_for
+from ._protocol import LOCAL
 
-__all__ = ["LOCAL", "Link", "Owner", "attach", "close_link", "close_links", "link_for", "link_stats", "owner_for"]
+__all__ = [
+    "LOCAL",
+    "Link",
+    "Owner",
+    "attach",
+    "close_link",
+    "close_links",
+    "link_for",
+    "link_stats",
+    "links",
+    "owner_for",
+]

@@ -1,32 +1,43 @@
 """The consumer side: one :class:`Link` per owner per process, and :func:`attach`.
 
-A Link is its parts stacked: the channel to the owner (:mod:`._channel`) and the lease
-recorder (:mod:`._recorder`); this module adds the connection's set-up (``hello`` and the
-journal's fd), attaching a descriptor (claim, map once and cache, open the ready event
-once) and closing. :func:`attach` rebuilds a descriptor's memory in this process, through
-the owner itself when this process is the owner.
+A Link is composed of two parts and the cache they serve:
+
+* ``connection`` (:class:`~._connection.OwnerConnection`): the authenticated
+  socket to the owner, requests and replies, and the reader thread that
+  answers ``unmap`` and learns that the owner is gone;
+* ``recorder`` (:class:`~._recorder.LeaseRecorder`): claims and releases as
+  journal records that never block, and the writer thread;
+* the mapping cache (this class): every allocation of that owner mapped in
+  this process, how many leases of this process use each, and the owner's
+  ready events opened here.
+
+:func:`attach` rebuilds a descriptor's memory in this process, through the
+owner itself when this process is the owner. In steady state (the allocation
+is already mapped here) an arrival costs one journal record and no message:
+the owner already counts this process among the allocation's mappers and
+cannot free it without asking. A first arrival sends its claim and maps the
+memory while the owner answers.
 """
 
 from __future__ import annotations
 
 import atexit
-import collections
-import itertools
 import os
-import queue
-import socket
 import threading
-from multiprocessing import AuthenticationError, current_process, reduction
+from multiprocessing import current_process
 from typing import Any
 
 from .. import _backends, _cuda, _journal
 from .._descriptor import Descriptor
 from .._errors import DescriptorError, OwnerGoneError
 from .._memory import Memory
-from .._service import connect, shutdown_socket
-from ._common import _CLAIM, _RELEASE, _process_ready, log
+from ._connection import OwnerConnection
 from ._owner import owner_for
-from ._recorder import _Recorder
+from ._protocol import CLAIM, RELEASE, log
+from ._ready import process_ready
+from ._recorder import LeaseRecorder
+
+__all__ = ["Link", "attach", "close_link", "close_links", "link_for", "link_stats", "links"]
 
 
 class _LeaseSource:
@@ -39,103 +50,87 @@ class _LeaseSource:
         self.lease_id = lease_id
 
     def drop(self, memory: Memory) -> None:
-        self.link._note(_RELEASE, self.lease_id, memory.alloc_id)
+        self.link.recorder.note(RELEASE, self.lease_id, memory.alloc_id)
 
-    def share(self, memory: Memory) -> tuple[int, bytes]:
+    def share(self, memory: Memory) -> tuple[int, bytes, bytes]:
         """Re-share a received buffer (A -> B -> C): a new lease from the owner, and a
         ready event recorded here, after this process's own work on the buffer (and,
         if this process never waited for the producer, after the producer's too)."""
-        lease_id = int(self.link.request("lease", memory.alloc_id, memory.generation, self.lease_id))
+        lease_id = int(self.link.connection.request("lease", memory.alloc_id, memory.generation, self.lease_id))
         if memory.device is None:
-            return lease_id, b""
+            return lease_id, b"", memory.handle
         memory.order_stream(0)  # the legacy default stream waits for the producer's ready event
-        return lease_id, _process_ready.record(memory.device)
+        return lease_id, process_ready.record(memory.device), memory.handle
 
     def check(self, memory: Memory) -> None:
-        refused = self.link._failed.get(self.lease_id)
+        connection = self.link.connection
+        refused = connection.failed.get(self.lease_id)
         if refused is not None:
             raise DescriptorError(f"the owner refused this buffer's lease: {refused}")
-        if self.link.gone is not None:
+        if connection.gone is not None:
             raise OwnerGoneError(
-                f"the process that owns this buffer is gone ({self.link.gone}); its memory may be freed. "
+                f"the process that owns this buffer is gone ({connection.gone}); its memory may be freed. "
                 "Keep the owner's Manager open until workers are done with its buffers"
             )
+
+    @property
+    def authkey(self) -> bytes:
+        return self.link.authkey
 
 
 _links: dict[bytes, Link] = {}
 _links_lock = threading.Lock()
 
 
-class Link(_Recorder):
+class Link:
     """This process's connection to one owner, with its mapping cache."""
 
     def __init__(self, address: str, token: bytes, authkey: bytes) -> None:
         self.token = token
         self.authkey = bytes(authkey)
-        self._address = address
-        self.gone: str | None = None
-        self.refused: str | None = None  # the owner said the descriptor was not its own
-        self._send_lock = threading.Lock()
-        self._map_lock = threading.Lock()
-        self._mappings: dict[int, _backends.Mapping] = {}
+        self.address = address
+        # Guards the cache below and the recorder's journal (one lock per record, not two).
+        self._lock = threading.Lock()
+        self._mappings: dict[int, _backends.Mapping] = {}  # alloc id -> mapping
         self._events: dict[tuple[bytes, int], Any] = {}  # (event handle, device) -> opened event
-        self._failed: dict[int, str] = {}  # lease id -> why the owner refused an asynchronous claim
-        self._held: set[int] = set()  # lease ids claimed by this process and not yet released
-        self._waiting: dict[int, list[Any]] = {}
-        self._wait_lock = threading.Lock()
-        self._reqs = itertools.count(1)
-        # Lease records (see _journal; the map lock guards it too): written straight
-        # into the journal when that can be done without blocking, else queued here,
-        # in order, for the writer thread: (_CLAIM | _RELEASE, lease, alloc, accounted).
-        self._journal = _journal.create_writer()
-        self._backlog: collections.deque[tuple[int, int, int, bool]] = collections.deque()
-        self._nudged_at = 0  # journal head when the owner was last nudged
-        # Wakes the writer: 1 (backlog), _NUDGE, or None (stop). SimpleQueue.put is
-        # safe inside the garbage collector, where releases may run.
-        self._wake: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self._held: set[int] = set()  # lease ids claimed here and not yet released
         self._retired = False  # closed: by close(), or because the owner is gone and unused
+        journal = _journal.create_writer()
+        self.recorder = LeaseRecorder(self._lock, journal, self._unhold_locked, self._retire_if_unused, address)
         try:
-            self.conn = connect(address, authkey)
-        except AuthenticationError as exc:
-            raise OwnerGoneError(
-                "the owner of this buffer refused this process: authentication failed. Processes "
-                "share buffers only with processes started from the Manager's process tree (same "
-                "multiprocessing authkey)"
-            ) from exc
-        except (OSError, EOFError) as exc:
-            raise OwnerGoneError(
-                f"cannot reach the owner of this buffer at {address} ({exc}): the process that made it "
-                "exited or shut its Manager down"
-            ) from exc
-        self._sock = socket.socket(fileno=os.dup(self.conn.fileno()))
-        self._send(("hello", os.getpid(), token, self._journal is not None))
-        if self._journal is not None:
-            assert self._journal.fd is not None
-            try:
-                reduction.sendfds(self._sock, [self._journal.fd])
-            except OSError as exc:
-                self._mark_gone(f"connection lost: {exc}")
-                raise OwnerGoneError(f"cannot reach the owner of this buffer ({exc})") from exc
-            finally:
-                self._journal.close_fd()
-        self._reader = threading.Thread(target=self._read_loop, name="gpushare-link-reader", daemon=True)
-        self._writer = threading.Thread(target=self._write_loop, name="gpushare-link-writer", daemon=True)
-        self._reader.start()
-        self._writer.start()
+            self.connection = OwnerConnection(
+                address,
+                token,
+                authkey,
+                None if journal is None else journal.fd,
+                self._unmap,
+                self._retire_if_unused,
+            )
+        except BaseException:
+            if journal is not None:
+                journal.close()
+            raise
+        finally:
+            if journal is not None:
+                journal.close_fd()  # the owner has its own; the mapping stays
+        self.recorder.start(self.connection.send_quietly, lambda: self.connection.gone is not None)
+        self.connection.start()
 
+    @property
+    def gone(self) -> str | None:
+        """Why the owner is gone, or None while it is there."""
+        return self.connection.gone
+
+    def request(self, kind: str, *args: Any) -> Any:
+        """A request to the owner, answered (``lease``, ``alloc``, ``stats``, ``trim``, ``fd``)."""
+        return self.connection.request(kind, *args)
+
+    # -- attaching descriptors ------------------------------------------------------------
     def attach(self, desc: Descriptor) -> Memory:
-        """Claim the descriptor's lease, map its memory (cached), return it (the caller makes the Buffer).
-
-        Steady state (the allocation is already mapped here, so the owner
-        already counts this process among its mappers and cannot free it
-        under us) costs one message and no wait: the claim is sent and the
-        owner answers only if it refuses it, which marks the buffer bad.
-        A first arrival maps the memory while the owner answers its claim, and
-        uses the mapping only once the claim is accepted (:meth:`_first_arrival`).
-        """
+        """Claim the descriptor's lease, map its memory (cached), return it (the caller makes the Buffer)."""
         backend = _backends.get(desc.backend)
         lease_id, alloc_id = desc.lease_id, desc.alloc_id
-        with self._map_lock:
+        with self._lock:
             if lease_id in self._held:
                 raise DescriptorError(
                     f"lease {lease_id} is already held by a buffer in this process: a pickled buffer "
@@ -147,10 +142,10 @@ class Link(_Recorder):
                 self._held.add(lease_id)
                 # Claimed by a record in the journal, written under the lock already
                 # held: the caller pays for a few bytes of shared memory, not a message.
-                claimed = self._append_locked(_CLAIM, lease_id)
+                claimed = self.recorder.append_locked(CLAIM, lease_id)
         if mapping is not None:
             if not claimed:  # behind the backlog, or the journal is full: the writer's
-                self._defer(_CLAIM, lease_id, alloc_id, True)
+                self.recorder.defer(CLAIM, lease_id, alloc_id, True)
         else:
             mapping = self._first_arrival(backend, desc)
         event = None
@@ -158,27 +153,15 @@ class Link(_Recorder):
             try:
                 event = self._event(desc.event, mapping.device)
             except BaseException:
-                self._note(_RELEASE, lease_id, alloc_id)
+                self.recorder.note(RELEASE, lease_id, alloc_id)
                 raise
-        # Positionally (see Memory.__init__ for the order): one per arrival. Not released
-        # at exit by the Buffer: close_links() closes this link then, and the owner drops
-        # every lease of a closed connection.
+        # Not released at exit by the Buffer (exit_release False): close_links() closes this
+        # link then, and the owner drops every lease of a closed connection.
         return Memory(
-            backend,
-            mapping.ptr,
-            desc.alloc_nbytes,
-            mapping.device,
-            desc.device_uuid,
-            desc.owner_token,
-            desc.address,
-            alloc_id,
-            desc.generation,
-            desc.handle,
-            mapping.native,  # native
-            _LeaseSource(self, lease_id),  # source
-            event,
-            False,  # exit_release
-        )
+            backend, mapping.ptr, desc.alloc_nbytes, mapping.device, desc.device_uuid, desc.owner_token,
+            desc.address, alloc_id, desc.generation, desc.handle, mapping.native, _LeaseSource(self, lease_id),
+            event, False,
+        )  # fmt: skip
 
     def _first_arrival(self, backend: _backends.Backend, desc: Descriptor) -> _backends.Mapping:
         """Claim the lease and map its allocation, which is not mapped here yet.
@@ -196,30 +179,31 @@ class Link(_Recorder):
         the two in that order.
         """
         lease_id, alloc_id = desc.lease_id, desc.alloc_id
-        claim = self.ask("claim", lease_id, alloc_id)
+        connection = self.connection
+        claim = connection.ask("claim", lease_id, alloc_id)
         try:
-            # Opened without the map lock: an fd-based open waits on the reader
-            # thread, which takes that lock to answer the owner's unmap requests.
+            # Opened without the lock: an fd-based open waits on the reader thread,
+            # which takes that lock to answer the owner's unmap requests.
             opened = backend.open(
                 desc.handle,
                 desc.alloc_nbytes,
                 desc.device_uuid,
-                lambda: int(self.request("fd", alloc_id)),
+                lambda: int(connection.request("fd", alloc_id)),
                 desc.owner_token,
             )
         except BaseException as exc:
             try:
-                self.answer(claim)  # a refusal explains a failed open best (the memory went)
+                connection.answer(claim)  # a refusal explains a failed open best (the memory went)
             except (DescriptorError, OwnerGoneError) as refusal:
                 raise refusal from exc
-            self._note(_RELEASE, lease_id, -1)  # claimed but never mapped: give it back
+            self.recorder.note(RELEASE, lease_id, -1)  # claimed but never mapped: give it back
             raise
         try:
-            self.answer(claim)
+            connection.answer(claim)
         except BaseException:
             backend.close(opened)
             raise
-        with self._map_lock:
+        with self._lock:
             self._held.add(lease_id)
             mapping = self._mappings.setdefault(alloc_id, opened)
             mapping.refs += 1
@@ -235,15 +219,37 @@ class Link(_Recorder):
         event = self._events.get(key)
         if event is None:
             event = _cuda.event_open(handle, device)
-            with self._map_lock:
+            with self._lock:
                 event, duplicate = self._events.setdefault(key, event), event
             if duplicate is not event:  # another thread opened it first
                 _cuda.event_destroy(duplicate, device)
         return event
 
-    @property
-    def open_mappings(self) -> int:
-        return len(self._mappings)
+    # -- the recorder's and the reader's callbacks -------------------------------------------
+    def _unhold_locked(self, lease_id: int, alloc_id: int) -> None:
+        """A released lease no longer keeps its mapping in use (before its record is written:
+        an owner that read the release and asks this process to unmap must find it unused)."""
+        self._held.discard(lease_id)
+        mapping = self._mappings.get(alloc_id)
+        if mapping is not None:
+            mapping.refs -= 1
+        if self.connection.gone is not None and not self._held and not self._retired:
+            self.recorder.request_retire()  # the last buffer of a gone owner (not here: maybe in gc)
+
+    def _unmap(self, alloc_id: int) -> bool:
+        """The owner asks to unmap ``alloc_id``: done (True) unless a buffer here still uses it."""
+        with self._lock:
+            mapping = self._mappings.get(alloc_id)
+            if mapping is None:
+                return True
+            if mapping.refs > 0:
+                return False
+            del self._mappings[alloc_id]
+        try:
+            _backends.get(mapping.backend).close(mapping)
+        except Exception:
+            log.exception("gpushare: closing a mapping failed")
+        return True
 
     def _retire_if_unused(self) -> None:
         """The owner is gone: once no buffer here holds a lease of it, close this link.
@@ -254,51 +260,36 @@ class Link(_Recorder):
         Buffers still held keep their mapping until they are released; the
         last release asks the writer thread to come back here.
         """
-        with self._map_lock:
-            if self.gone is None or self._held or self._retired:
+        with self._lock:
+            if self.connection.gone is None or self._held or self._retired:
                 return
         with _links_lock:
             if _links.get(self.token) is self:
                 del _links[self.token]
         self.close()
 
+    # -- closing ----------------------------------------------------------------------
+    @property
+    def open_mappings(self) -> int:
+        return len(self._mappings)
+
     def close(self) -> None:
-        """Flush releases, close the connection, unmap everything."""
-        with self._map_lock:
+        """Flush the records, close the connection, unmap everything."""
+        with self._lock:
             if self._retired:
                 return
             self._retired = True
-        self._wake.put(None)
-        if threading.current_thread() is not self._writer:  # the writer may retire the link itself
-            self._writer.join(timeout=5.0)
-        self._mark_gone("this process closed its connection to the owner (Manager shut down, or exiting)")
-        try:
-            # Shut down before closing: the reader thread is blocked reading this
-            # socket, and a close alone would neither wake it nor send EOF.
-            shutdown_socket(self.conn.fileno())
-        except OSError:
-            pass
-        if threading.current_thread() is not self._reader:
-            self._reader.join(timeout=5.0)
-        try:
-            self.conn.close()
-            self._sock.close()
-        except OSError:
-            pass
-        with self._map_lock:
-            journal, self._journal = self._journal, None
-        if journal is not None:
-            journal.close()
-        with self._map_lock:
+        self.recorder.close()  # records queued before go into the journal first
+        self.connection.close()  # the owner reads the journal and drops this process's leases
+        with self._lock:
             events, self._events = self._events, {}
+            mappings = list(self._mappings.values())
+            self._mappings.clear()
         for (_, device), event in events.items():
             try:
                 _cuda.event_destroy(event, device)
             except Exception:
                 log.exception("gpushare: destroying an opened event failed")
-        with self._map_lock:
-            mappings = list(self._mappings.values())
-            self._mappings.clear()
         for mapping in mappings:
             try:
                 _backends.get(mapping.backend).close(mapping)
@@ -307,7 +298,7 @@ class Link(_Recorder):
 
 
 def attach(desc: Descriptor) -> Memory:
-    """This process's memory for a descriptor (``_reduction.rebuild_buffer`` makes the Buffer)."""
+    """This process's memory for a descriptor (the caller makes the Buffer)."""
     owner = owner_for(desc.owner_token)
     if owner is not None:
         return owner.attach_local(desc)
@@ -329,12 +320,17 @@ def link_for(address: str, token: bytes, authkey: bytes | None = None) -> Link:
     return link
 
 
+def links() -> list[Link]:
+    """This process's open links (tests and statistics read them)."""
+    return list(_links.values())
+
+
 def link_stats() -> dict[str, Any]:
     """Per-process figures of the consumer side (opens, cached mappings)."""
     return {
         "owners": len(_links),
         "open_mappings": sum(link.open_mappings for link in _links.values()),
-        "opens": {name: _backends.get(name).opens for name in _backends._instances},
+        "opens": _backends.opens(),
     }
 
 
@@ -349,9 +345,9 @@ def close_link(token: bytes) -> None:
 def close_links() -> None:
     """Release every lease this process holds and close its connections (worker exit)."""
     with _links_lock:
-        links = list(_links.values())
+        all_links = list(_links.values())
         _links.clear()
-    for link in links:
+    for link in all_links:
         link.close()
 
 

@@ -1,10 +1,21 @@
 """The owner: one per Manager, in the process that allocates its memory.
 
-:class:`Owner` is its parts stacked: the pool (:mod:`._pool`), the lease table
-(:mod:`._leases`), the unmap protocol (:mod:`._unmap`) and the socket service
-(:mod:`._serve`); this module adds allocation and the owner's own references
-(:class:`_OwnerSource`), statistics and shutdown: stop sharing, wait (bounded) for leases,
-report what is still out with a :class:`~gpushare.LeakWarning`, free what is free, and
+An :class:`Owner` is composed of parts, each an object with its own state
+and methods, all sharing one :class:`~._records.OwnerState` (and its lock):
+
+* ``pool`` (:class:`~._alloc_pool.AllocationPool`): unreferenced allocations
+  by size class, handed out again;
+* ``leases`` (:class:`~._lease_table.LeaseTable`): taking, claiming and
+  releasing leases, reading the consumers' journals, deferred finalizer work;
+* ``unmapper`` (:class:`~._unmapper.Unmapper`): freeing only after every
+  mapper unmapped;
+* ``loop`` (:class:`~._request_loop.RequestLoop`): the socket service, one
+  thread per consumer, and housekeeping.
+
+This module adds allocation (for this process, and for another process that
+asks: ``alloc``), the owner's own references (:class:`_OwnerSource`),
+statistics and shutdown: stop sharing, wait (bounded) for leases, report what
+is still out with a :class:`~gpushare.LeakWarning`, free what is free, and
 tell every consumer ``bye``.
 """
 
@@ -12,51 +23,60 @@ from __future__ import annotations
 
 import itertools
 import os
-import queue
-import secrets
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 from .. import _backends
+from .._authsocket import shutdown_socket
 from .._descriptor import Descriptor
 from .._errors import LeakWarning, ManagerClosedError
 from .._memory import Memory
-from .._service import UnixListener, shutdown_socket
-from ._common import LOCAL, _ReadyEvents, _warn
-from ._records import _Lease, _Peer, _Slot
-from ._serve import _Service
+from ._alloc_pool import AllocationPool
+from ._lease_table import LeaseTable, check_alive
+from ._protocol import LOCAL, warn
+from ._records import AllocRecord, Lease, OwnerState
+from ._request_loop import RequestLoop
+from ._unmapper import Unmapper
+
+__all__ = ["Owner", "owner_for"]
 
 
 class _OwnerSource:
-    """The owner's own reference: dropping it lets the slot be recycled."""
+    """The owner's own reference to an allocation: dropping it lets the allocation be recycled."""
 
-    def __init__(self, owner: Owner, slot: _Slot) -> None:
+    __slots__ = ("owner", "record")
+
+    def __init__(self, owner: Owner, record: AllocRecord) -> None:
         self.owner = owner
-        self.slot = slot
+        self.record = record
 
     def drop(self, memory: Memory) -> None:
-        self.owner._defer(self.owner._drop_owner_ref, self.slot)
+        self.owner.leases.defer(self.owner._drop_owner_ref_locked, self.record)
 
-    def share(self, memory: Memory) -> tuple[int, bytes]:
-        lease = self.owner.take_lease(self.slot, memory.generation)
-        memory.handle = self.slot.allocation.handle  # exported on first share
-        return lease
+    def share(self, memory: Memory) -> tuple[int, bytes, bytes]:
+        return self.owner.leases.take(self.record, memory.generation)
 
     def check(self, memory: Memory) -> None:
-        self.owner._check_slot(self.slot)
+        check_alive(self.record)
+
+    @property
+    def authkey(self) -> bytes:
+        return self.owner.authkey
 
 
 class _LocalLeaseSource(_OwnerSource):
     """A lease claimed inside the owner's process (a buffer unpickled where it was made)."""
 
-    def __init__(self, owner: Owner, slot: _Slot, lease_id: int) -> None:
-        super().__init__(owner, slot)
+    __slots__ = ("lease_id",)
+
+    def __init__(self, owner: Owner, record: AllocRecord, lease_id: int) -> None:
+        super().__init__(owner, record)
         self.lease_id = lease_id
 
     def drop(self, memory: Memory) -> None:
-        self.owner._defer(self.owner._release_lease, self.lease_id, LOCAL)
+        self.owner.leases.defer(self.owner.leases.release_locked, self.lease_id, LOCAL)
 
 
 _owners: dict[bytes, Owner] = {}
@@ -64,10 +84,11 @@ _owners_lock = threading.Lock()
 
 
 def owner_for(token: bytes) -> Owner | None:
+    """The Owner of this process with ``token``, if there is one."""
     return _owners.get(token)
 
 
-class Owner(_Service):
+class Owner:
     """Allocations, leases and the pool of one Manager, plus its socket service."""
 
     def __init__(
@@ -79,169 +100,225 @@ class Owner(_Service):
         unmap_timeout: float = 5.0,
         pool_limit: int | None = None,
     ) -> None:
-        self.token = secrets.token_bytes(16)
-        self.authkey = bytes(authkey)
-        self.lease_timeout = float(lease_timeout)
+        state = self._state = OwnerState(authkey)
         self.shutdown_timeout = float(shutdown_timeout)
-        self.unmap_timeout = float(unmap_timeout)
-        self.pool_limit = pool_limit
-        self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
-        self._pending: queue.SimpleQueue[tuple[Callable[..., None], tuple[Any, ...]]] = queue.SimpleQueue()
-        self._refusals: queue.SimpleQueue[tuple[_Peer, int, str]] = queue.SimpleQueue()
-        self._slots: dict[int, _Slot] = {}
-        self._pool: dict[tuple[str, int | None, int], list[_Slot]] = {}
-        self._leases: dict[int, _Lease] = {}
-        self._peers: dict[int, _Peer] = {}
-        self._unmap_waits: dict[int, dict[int, bool | None]] = {}
-        self._leaked: list[_Slot] = []
-        self._ready = _ReadyEvents()
+        self.pool = AllocationPool(state, pool_limit)
+        self.leases = LeaseTable(state, self.pool, lease_timeout)
+        self.unmapper = Unmapper(state, self.pool, self.leases, unmap_timeout)
         self._ids = itertools.count(1)
-        self._lease_ids = itertools.count(1)
-        self._conn_ids = itertools.count(1)
-        self._closed = False
-        self._stop = threading.Event()
-        self.reused = 0
-        self._listener = UnixListener("owner", self._serve)
-        self.address = self._listener.address
-        self._housekeeper = threading.Thread(target=self._housekeeping, name="gpushare-owner-housekeeping", daemon=True)
-        self._housekeeper.start()
+        calls: dict[str, Callable[..., Any]] = {
+            "alloc": self.allocate_for_peer,
+            "stats": self.stats,
+            "trim": self.trim,
+            "shutdown": self.shutdown,
+        }
+        self.loop = RequestLoop(state, self.leases, self.pool, self.unmapper, calls)
         with _owners_lock:
-            _owners[self.token] = self
+            _owners[state.token] = self
 
+    @property
+    def token(self) -> bytes:
+        return self._state.token
+
+    @property
+    def address(self) -> str:
+        return self._state.address
+
+    @property
+    def authkey(self) -> bytes:
+        return self._state.authkey
+
+    # -- allocation ---------------------------------------------------------------------
     def allocate(self, backend: _backends.Backend, nbytes: int, device: int | None, label: str) -> Memory:
         """The owner's reference to ``nbytes`` (a multiple of 2 MiB) from the pool or the backend."""
-        with self._lock:
-            self._drain_locked()
-            if self._closed:
+        record = self._allocate_record(backend, nbytes, device, label)
+        return self._memory(record, _OwnerSource(self, record))
+
+    def allocate_for_peer(
+        self, backend: str, device_uuid: bytes | None, nbytes: int, label: str, dtype: str, shape: tuple[int, ...]
+    ) -> bytes:
+        """Another process's ``alloc`` request: the descriptor of new memory under a lease it
+        claims like any other. The owner keeps no reference of its own, so the memory lives
+        exactly as long as some process holds it."""
+        chosen = _backends.get(backend)
+        device = None
+        if device_uuid:
+            from .. import _cuda
+
+            device = _cuda.ordinal_from_uuid(device_uuid)
+            chosen.check_device(device)
+        record = self._allocate_record(chosen, nbytes, device, label)
+        try:
+            # Fresh from the backend or the pool: no work of this process is queued on it.
+            lease_id, _, handle = self.leases.take(record, record.generation, record_event=False)
+        finally:
+            with self._state.lock:
+                self._drop_owner_ref_locked(record)
+        a = record.allocation
+        state = self._state
+        desc = Descriptor(
+            chosen.name, state.token, state.address, record.alloc_id, record.generation, lease_id,
+            a.nbytes, 0, a.device_uuid, handle, dtype, tuple(shape), b"",
+        )  # fmt: skip
+        return desc.to_bytes()
+
+    def _allocate_record(self, backend: _backends.Backend, nbytes: int, device: int | None, label: str) -> AllocRecord:
+        state = self._state
+        with state.lock:
+            self.leases.catch_up_locked()
+            if state.closed:
                 raise ManagerClosedError("the Manager was shut down; make a new Manager to allocate buffers")
-            free = self._pool.get((backend.name, device, nbytes))
-            slot = free.pop() if free else None
-            if slot is not None:
-                slot.pooled = False
-                slot.generation += 1
-                self.reused += 1
-        if slot is None:
+            record = self.pool.take((backend.name, device, nbytes))
+        if record is None:
             try:
                 allocation = backend.allocate(nbytes, device)
             except MemoryError as exc:
-                freed = self._trim_device(backend, device)
-                if not freed:
+                if not self._trim_device(backend, device):
                     raise
                 try:  # once more, now that the pool's unused memory on this device is free
                     allocation = backend.allocate(nbytes, device)
                 except MemoryError as again:
                     raise again from exc
-            slot = _Slot(next(self._ids), allocation, backend)
-        with self._lock:
-            self._slots[slot.alloc_id] = slot
-            slot.owner_ref = True
-            slot.label = label
-            return self._memory(slot, _OwnerSource(self, slot))
+            record = AllocRecord(next(self._ids), allocation, backend)
+        with state.lock:
+            state.records[record.alloc_id] = record
+            record.owner_ref = True
+            record.label = label
+        return record
 
-    def _drop_owner_ref(self, slot: _Slot) -> None:
-        """Lock held."""
-        slot.owner_ref = False
-        if slot.detached and not slot.leases:
+    def _memory(self, record: AllocRecord, source: Any) -> Memory:
+        a = record.allocation
+        state = self._state
+        return Memory(
+            record.backend, a.ptr, a.nbytes, a.device, a.device_uuid, state.token, state.address,
+            record.alloc_id, record.generation, a.handle, a.native, source,
+        )  # fmt: skip
+
+    def _drop_owner_ref_locked(self, record: AllocRecord) -> None:
+        record.owner_ref = False
+        if record.detached and not record.leases:
             # Shut down while this process still used it: free it now that it is unused.
-            self._free_locked(slot)
+            self.unmapper.free_locked(record)
             return
-        self._maybe_recycle(slot)
+        self.pool.offer(record)
 
     def attach_local(self, desc: Descriptor) -> Memory:
         """The memory of a buffer unpickled in the owner's own process (the caller makes the Buffer)."""
-        with self._lock:
-            self._drain_locked()
-            lease = self._claim(desc.lease_id, desc.alloc_id, LOCAL)
-            return self._memory(lease.slot, _LocalLeaseSource(self, lease.slot, lease.lease_id))
+        with self._state.lock:
+            self.leases.catch_up_locked()
+            lease = self.leases.claim_locked(desc.lease_id, desc.alloc_id, LOCAL)
+            record = lease.record
+        return self._memory(record, _LocalLeaseSource(self, record, lease.lease_id))
+
+    # -- upkeep -------------------------------------------------------------------------
+    def trim(self) -> int:
+        """Free every pooled allocation; return the bytes given back."""
+        return self.unmapper.trim(lambda record: True)
+
+    def _trim_device(self, backend: _backends.Backend, device: int | None) -> int:
+        """Free the pooled allocations that share ``device``'s memory (out-of-memory retry)."""
+        return self.unmapper.trim(
+            lambda record: record.backend.is_cuda == backend.is_cuda and record.allocation.device == device
+        )
 
     def stats(self) -> dict[str, Any]:
-        with self._lock:
-            self._drain_locked()
-            slots = list(self._slots.values())
-            pooled = [s for s in slots if s.pooled]
-            live = [s for s in slots if not s.pooled and not s.dead]
+        state = self._state
+        with state.lock:
+            self.leases.catch_up_locked()
+            records = list(state.records.values())
+            pooled = [r for r in records if r.pooled]
+            live = [r for r in records if not r.pooled and not r.dead]
             backends: dict[str, int] = {}
-            for s in live:
-                backends[s.backend.name] = backends.get(s.backend.name, 0) + 1
+            for r in live:
+                backends[r.backend.name] = backends.get(r.backend.name, 0) + 1
             return {
                 "live_buffers": len(live),
-                "bytes_allocated": sum(s.allocation.nbytes for s in slots if not s.dead),
-                "bytes_in_use": sum(s.allocation.nbytes for s in live),
-                "bytes_pooled": sum(s.allocation.nbytes for s in pooled),
+                "bytes_allocated": sum(r.allocation.nbytes for r in records if not r.dead),
+                "bytes_in_use": sum(r.allocation.nbytes for r in live),
+                "bytes_pooled": sum(r.allocation.nbytes for r in pooled),
                 "pooled_buffers": len(pooled),
-                "leases": len(self._leases),
-                "unclaimed_leases": sum(1 for lease in self._leases.values() if lease.holder is None),
-                "consumers": len(self._peers),
-                "consumer_pids": sorted(p.pid for p in self._peers.values()),
+                "leases": len(self.leases),
+                "unclaimed_leases": self.leases.unclaimed(),
+                "consumers": len(state.peers),
+                "consumer_pids": sorted(p.pid for p in state.peers.values()),
                 "backends": backends,
-                "reused": self.reused,
-                "leaked_buffers": len(self._leaked),
-                "closed": self._closed,
+                "reused": self.pool.reused,
+                "leaked_buffers": len(self.unmapper.leaked),
+                "closed": state.closed,
             }
 
-    def shutdown(self, timeout: float | None = None) -> None:
-        """Wait (bounded) for leases, report leaks, free everything free, stop serving."""
+    def shutdown(
+        self, timeout: float | None = None, before_bye: Callable[[list[str]], object] | None = None
+    ) -> list[str]:
+        """Wait (bounded) for leases, report leaks, free everything free, stop serving.
+
+        Returns the text of the leak warning it gave, if any, and hands it to
+        ``before_bye`` just before telling the consumers ``bye`` (a client of a
+        server-owned Manager asked for this shutdown over its own connection,
+        and raises the warning again in its process)."""
         timeout = self.shutdown_timeout if timeout is None else timeout
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            self._drain_locked()
-            # An unclaimed quiet lease (a Ray object's) serves no one once sharing
-            # stops: its readers hold leases of their own.
-            for lease in [x for x in self._leases.values() if x.holder is None and x.quiet]:
-                del self._leases[lease.lease_id]
-                lease.slot.leases.discard(lease.lease_id)
+        state = self._state
+        leases = self.leases
+        with state.lock:
+            if state.closed:
+                if before_bye is not None:
+                    before_bye([])
+                return []
+            state.closed = True
+            leases.catch_up_locked()
+            leases.drop_quiet_unclaimed_locked()
             deadline = time.monotonic() + timeout
-            while self._leases and time.monotonic() < deadline:
-                self._cond.wait(min(0.05, max(0.0, deadline - time.monotonic())))
-                self._drain_locked()
-            outstanding = list(self._leases.values())
-            unleased = [s for s in self._slots.values() if not s.leases and not s.dead]
-            for slot in unleased:
-                if slot.pooled:
-                    self._unpool_locked(slot)
+            while len(leases) and time.monotonic() < deadline:
+                state.cond.wait(min(0.05, max(0.0, deadline - time.monotonic())))
+                leases.catch_up_locked()
+            outstanding = leases.values()
+            unleased = [r for r in state.records.values() if not r.leases and not r.dead]
+            for record in unleased:
+                if record.pooled:
+                    self.pool.remove(record)
+        messages = []
         if outstanding:
-            names = sorted({f"allocation {lease.slot.alloc_id} ({lease.slot.label})" for lease in outstanding})
+            names = sorted({f"allocation {lease.record.alloc_id} ({lease.record.label})" for lease in outstanding})
             holders = sorted({self._holder_name(lease) for lease in outstanding})
-            with self._lock:
-                self._leaked.extend({lease.slot for lease in outstanding})
-            _warn(
+            with state.lock:
+                self.unmapper.leaked.extend({lease.record for lease in outstanding})
+            message = (
                 f"gpushare: Manager shut down with {len(outstanding)} lease(s) outstanding after {timeout:g} s: "
                 f"{', '.join(names)}, held by {', '.join(holders)}. That memory is leaked (not freed under "
-                "its users) until this process exits; release buffers in workers before shutting down",
-                LeakWarning,
+                "its users) until this process exits; release buffers in workers before shutting down"
             )
-        for slot in unleased:
-            if not self._unmap_everywhere(slot):
+            messages.append(message)
+            warn(message, LeakWarning)
+        for record in unleased:
+            if not self.unmapper.unmap_everywhere(record):
                 continue
-            with self._lock:
-                if slot.owner_ref:
-                    slot.detached = True  # still used here: freed when its last Buffer goes
+            with state.lock:
+                if record.owner_ref:
+                    record.detached = True  # still used here: freed when its last Buffer goes
                 else:
-                    self._free_locked(slot)
-        with self._lock:
-            peers = list(self._peers.values())
+                    self.unmapper.free_locked(record)
+        if before_bye is not None:
+            before_bye(messages)
+        with state.lock:
+            peers = list(state.peers.values())
         for peer in peers:
             peer.send(("bye", "the owning Manager was shut down"))
             try:
                 shutdown_socket(peer.conn.fileno())
             except OSError:  # its connection closed meanwhile
                 pass
-        self._stop.set()
-        self._listener.close()
-        self._housekeeper.join(timeout=2.0)
-        self._ready.close()
+        self.loop.close()
+        state.ready.close()
         with _owners_lock:
-            _owners.pop(self.token, None)
+            _owners.pop(state.token, None)
+        return messages
 
-    def _holder_name(self, lease: _Lease) -> str:
+    def _holder_name(self, lease: Lease) -> str:
         if lease.holder is None:
             return "an unclaimed pickle"
         if lease.holder == LOCAL:
             return "this process"
-        peer = self._peers.get(lease.holder)
+        peer = self._state.peers.get(lease.holder)
         return f"pid {peer.pid}" if peer else "a closed connection"
 
 

@@ -119,7 +119,11 @@ def _make_loader(system: str, dataset: GpuSamples) -> Any:
 
     if system == TORCH_LOADER:
         return torch.utils.data.DataLoader(
-            dataset, batch_size=BATCH, num_workers=WORKERS, multiprocessing_context="spawn", timeout=120
+            dataset,  # type: ignore[arg-type,unused-ignore]  # map-style: __getitem__ and __len__
+            batch_size=BATCH,
+            num_workers=WORKERS,
+            multiprocessing_context="spawn",
+            timeout=120,
         )
     from ... import torch as gs_torch
 

@@ -1,13 +1,17 @@
-"""What both ends of a ring share: socket framing, the slot buffer, limits."""
+"""What both ends of a ring share besides the channel: limits, spinning, socket framing.
+
+The socket carries registration (pickled messages through multiprocessing's
+``Connection``) and then only two kinds of frame, producer -> consumer, in
+the same framing (a 4-byte big-endian length, or -1 and an 8-byte length):
+``META`` (a meta too long for its shared-memory entry, just before the
+entry) and ``CLOSED`` (the end of the ring, after every item).
+"""
 
 from __future__ import annotations
 
 import math
 import os
 import struct
-from typing import Any
-
-from .._buffer import Buffer
 
 #: Seconds a registration step (either side) may take before it is abandoned.
 REGISTER_TIMEOUT = 30.0
@@ -132,83 +136,3 @@ class Frames:
         message = bytes(buf[start:end])
         del buf[:end]
         return message
-
-
-class _Mark:
-    """What a ring item has in place of a finalizer: only whether it is still usable.
-
-    A ring item takes no count on its memory. The ring's end (producer or
-    consumer) keeps one Buffer per slot, and a slot has at most one live item
-    in each end, so that end releases a slot's Buffer only once the slot's
-    item went back (see ``Producer.unpublished`` and ``RingConsumer._on_release``).
-    That saves a count, a finalizer object and its call per item.
-    """
-
-    __slots__ = ("alive",)
-
-    def __init__(self, alive: bool) -> None:
-        self.alive = alive
-
-    def __call__(self) -> None:
-        pass
-
-
-LIVE = _Mark(True)
-GONE = _Mark(False)
-
-
-class SlotBuffer(Buffer):
-    """A ring slot as handed out: by :meth:`Ring.acquire` (producer) or :meth:`RingConsumer.get`.
-
-    A Buffer viewing the slot's memory, plus ``slot`` (the index),
-    ``sequence`` (the publication number; None in the producer) and
-    ``meta`` (what the producer published with it). ``release()`` gives
-    the slot back to the ring, then releases this view: touching it
-    afterwards raises BufferReleasedError, because the slot may already
-    be rewritten.
-    """
-
-    __slots__ = ("_epoch", "_on_release", "_ring", "meta", "sequence", "slot")
-
-    def __init__(
-        self, base: Buffer, ring: object, slot: int, sequence: int | None, epoch: int, meta: Any, on_release: Any
-    ) -> None:
-        # Buffer.__init__ without a count on the memory (see _Mark): the ring's end
-        # keeps the slot's own Buffer until this item went back.
-        self._memory = base._memory
-        self._offset = base._offset
-        self._shape = base._shape
-        self._dtype = base._dtype
-        self._export = None
-        self._finalizer = LIVE  # type: ignore[assignment]
-        self._ring = ring
-        self.slot = slot
-        self.sequence = sequence
-        self.meta = meta
-        self._epoch = epoch
-        self._on_release: Any = on_release  # None once the slot went back (or was published)
-
-    def _give_back(self) -> None:
-        callback, self._on_release = self._on_release, None
-        if callback is not None:
-            callback(self.slot, self._epoch)
-
-    def release(self) -> None:
-        """Give the slot back to the ring (once); touching this item afterwards raises. Idempotent."""
-        self._finalizer = GONE  # type: ignore[assignment]  # first: the slot's Buffer may go with the callback
-        self._give_back()
-
-    def __del__(self) -> None:
-        # The callbacks only write shared memory or enqueue, and never raise.
-        try:
-            if self._on_release is not None:
-                self._give_back()
-        except Exception:  # interpreter shutdown, or __init__ did not finish
-            pass
-
-    def __repr__(self) -> str:
-        state = "released" if self.released else self.backend
-        return (
-            f"<gpushare ring slot {self.slot} sequence={self.sequence} shape={self.shape} dtype={self.dtype} "
-            f"device={self.device!r} {state}>"
-        )

@@ -1,6 +1,6 @@
 """The consumer's end of a ring: registration, taking entries, releasing slots.
 
-See :mod:`gpushare._ring` for the protocol and :mod:`._channel` for the
+See :mod:`gpushare._fanout` for the protocol and :mod:`._channel` for the
 shared segment this end reads entries from and writes release words to.
 """
 
@@ -18,11 +18,12 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any, NoReturn
 
 from .. import _cuda
+from .._authsocket import connect, shutdown_socket, socket_timeouts
 from .._buffer import Buffer
-from .._errors import GpushareError, OwnerGoneError, RingClosedError
-from .._service import connect, shutdown_socket, socket_timeouts
+from .._errors import GpushareError, OwnerGoneError, RingClosedError, WaitTimeoutError
 from ._channel import SLOT_RECORDED, Channel, poke, soak
-from ._common import CLOSED, META, REGISTER_TIMEOUT, SPIN_LOOKS, Frames, SlotBuffer, SpinPolicy, poll_ms
+from ._item import RingItem, SlotView, slot_view
+from ._wire import CLOSED, META, REGISTER_TIMEOUT, SPIN_LOOKS, Frames, SpinPolicy, poll_ms
 
 __all__ = ["RingConsumer", "attach"]
 
@@ -61,6 +62,7 @@ class RingConsumer:
         self._metas: collections.deque[bytes] = collections.deque()  # metas that came on the socket
         self._ending: tuple[type[GpushareError], str] | None = None  # seen on the socket; raised once drained
         self._buffers: list[Buffer] = []
+        self._views: list[SlotView] = []  # what each slot's items are made from
         # Per slot: whether an item of it is out (a slot has at most one at a time:
         # the producer republishes it only after this end released it). Once the end
         # is shut, _orphans holds the slots' Buffers that items still use; each goes
@@ -90,6 +92,7 @@ class RingConsumer:
                 self._shut()
                 return
             self._buffers = list(reply[1])
+            self._views = [slot_view(b) for b in self._buffers]
             self._out = [False] * len(self._buffers)
             with socket.socket(fileno=os.dup(conn.fileno())) as raw:
                 fd, self._wake, self._release_fd = reduction.recvfds(raw, 3)
@@ -176,13 +179,13 @@ class RingConsumer:
     def get(self, timeout: float | None = None) -> Buffer:
         """The next published slot, in publication order.
 
-        Waits at most ``timeout`` seconds (then :class:`TimeoutError`).
+        Waits at most ``timeout`` seconds (then :class:`~gpushare.WaitTimeoutError`, a ``TimeoutError``).
         Raises :class:`RingClosedError` once the producer closed the ring
         and every item published before was received, and
         :class:`OwnerGoneError` if the producer's process is gone.
         """
         channel = self._channel
-        buffers = self._buffers
+        views = self._views
         if channel is None or self._conn is None:
             self._raise_unusable()
         index = self._index
@@ -202,13 +205,12 @@ class RingConsumer:
             self._out[slot] = False
             self._raise_unusable()
         self._index = index + 1
-        base = buffers[slot]
+        view = views[slot]
         if self._slot_events:
-            memory = base._memory  # one item per slot at a time: the flag is this item's
-            memory.event = self._slot_events[slot]
-            # Not recorded: the producer's stream was idle at publish, its writes are done.
-            memory.pending = recorded
-        return SlotBuffer(base, self, slot, seq, seq, ForkingPickler.loads(meta) if meta else None, self._on_release)
+            # One item per slot at a time, so the slot's Memory waits for this publication:
+            # on its event if the producer recorded it (else its writes were done at publish).
+            view[0].arm(self._slot_events[slot], recorded)
+        return RingItem(view, self, slot, seq, seq, ForkingPickler.loads(meta) if meta else None, self._on_release)
 
     def _wait(self, channel: Channel, index: int, timeout: float | None) -> tuple[int, int, bytes | None]:
         """Entry ``index`` once it is written: spin, then sleep on the eventfd and the socket."""
@@ -241,7 +243,7 @@ class RingConsumer:
                 self._raise_unusable()
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
-                raise TimeoutError(
+                raise WaitTimeoutError(
                     f"no ring item arrived within {timeout:g} s (the producer, pid {self._info['pid']}, "
                     "published nothing new for this consumer)"
                 )
@@ -289,7 +291,7 @@ class RingConsumer:
 
     def release(self, item: Buffer) -> None:
         """Give ``item`` (from :meth:`get`) back to the producer; same as ``item.release()``."""
-        if not isinstance(item, SlotBuffer) or item._ring is not self:
+        if not isinstance(item, RingItem) or not item._belongs_to(self):
             raise ValueError("release() takes an item returned by this consumer's get()")
         item.release()
 
@@ -353,6 +355,7 @@ class RingConsumer:
         channel, self._channel = self._channel, None
         wake, release_fd, self._wake, self._release_fd = self._wake, self._release_fd, -1, -1
         buffers, self._buffers = self._buffers, []
+        self._views = []
         # Items still out keep their slot's Buffer until they go (_on_release). _orphans
         # is set before _out is read, and _on_release clears _out before it reads
         # _orphans: whichever runs second releases the Buffer (release() is idempotent).

@@ -1,4 +1,4 @@
-"""Ring: pre-shared slots for steady producer -> N consumers pipelines.
+"""The fan-out ring: pre-shared slots for steady producer -> N consumers pipelines.
 
 A :class:`Ring` is ``slots`` buffers of one shape and dtype, allocated by a
 Manager in the producer's process, plus a small authenticated Unix-socket
@@ -41,7 +41,7 @@ Publishing writes an entry ``slot | sequence | meta`` into each
 consumer's channel and adds one to its eventfd; releasing writes the
 publication's ``sequence + 1`` into the consumer's release word for that
 slot and adds one to the release eventfd. The layout, and why it needs no
-lock and no memory barrier, is in :mod:`gpushare._ring._channel`. A meta
+lock and no memory barrier, is in :mod:`gpushare._fanout._channel`. A meta
 that pickles to more than ``INLINE_META`` bytes (at most 1 MiB) goes on the
 socket just before its entry, as a ``u8 1 | meta`` frame in
 multiprocessing's framing. The socket otherwise carries only the end:
@@ -62,7 +62,7 @@ loop for a while before it sleeps, giving its core away every few looks
   about that much, so a wait costs at most about twice what sleeping at
   once would; a stream of items closer together than 50 us costs neither
   side a sleep or a wakeup, and items further apart cost no spinning
-  after the first long wait (``_common.SpinPolicy``).
+  after the first long wait (``_wire.SpinPolicy``).
 * ``True`` (5 ms) or seconds: that long, every wait: a handoff then costs
   no wakeup of a sleeping process, at the price of a busy CPU while
   waiting. For latency-critical pipelines with a core to spare per process.
@@ -141,13 +141,22 @@ contexts together on every item.
 On the host backend none of this is needed.
 
 Every call that can block takes a ``timeout`` and raises
-:class:`TimeoutError` saying what it waited for.
+:class:`~gpushare.WaitTimeoutError` (a ``TimeoutError``) saying what it
+waited for.
+
+Modules: ``_ring`` (:class:`Ring`, the producer's handle, and
+:func:`create_ring`), ``_producer`` (the producer's state and service),
+``_consumer`` (:class:`RingConsumer`), ``_channel`` (one consumer's shared
+memory), ``_item`` (:class:`~._item.RingItem`, what both ends hand out) and
+``_wire`` (limits, spinning, socket framing).
 """
 
 from ._channel import Channel
-from ._common import MAX_META, REGISTER_TIMEOUT, SEND_TIMEOUT, SPIN_DEFAULT, SlotBuffer
 from ._consumer import RingConsumer
-from ._producer import Producer, Ring, create_ring
+from ._item import RingItem
+from ._producer import Producer
+from ._ring import Ring, create_ring
+from ._wire import MAX_META, REGISTER_TIMEOUT, SEND_TIMEOUT, SPIN_DEFAULT
 
 __all__ = [
     "MAX_META",
@@ -158,6 +167,6 @@ __all__ = [
     "Producer",
     "Ring",
     "RingConsumer",
-    "SlotBuffer",
+    "RingItem",
     "create_ring",
 ]

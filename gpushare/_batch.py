@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from ._buffer import Buffer, check_dtype, check_shape
+from ._buffer import Buffer, byte_offset, check_dtype, check_shape, memory_of, window
 from ._errors import LoaderError
 
 __all__ = [
@@ -89,7 +89,7 @@ class SlotWriter:
                     "slot_bytes=: pass one large enough for the largest batch"
                 )
             slot = self._slot
-            buf = Buffer(slot._memory, slot._offset + offset, dims, dt)
+            buf = window(slot, offset, dims, dt)
         self.used = end
         self._regions[id(buf)] = (buf, offset, tag)
         return buf
@@ -128,7 +128,7 @@ class SlotWriter:
     def move_into(self, slot: Buffer) -> None:
         """First batch: copy the scratch arrays into ``slot`` at their offsets, then free them."""
         for buf, offset, _ in self._regions.values():
-            target = Buffer(slot._memory, slot._offset + offset, buf.shape, buf.dtype)
+            target = window(slot, offset, buf.shape, buf.dtype)
             target.copy_from(buf)
             target.release()
             buf.release()
@@ -145,7 +145,7 @@ class SlotWriter:
 def _row(buf: Buffer, index: int, shape: tuple[int, ...]) -> Buffer:
     """Row ``index`` of a stacked array ``buf`` (a Buffer over the same memory)."""
     step = math.prod(shape) * buf.dtype.itemsize
-    return Buffer(buf._memory, buf._offset + index * step, shape, buf.dtype)
+    return window(buf, index * step, shape, buf.dtype)
 
 
 def default_collate(samples: list[Any], writer: SlotWriter) -> Any:
@@ -202,13 +202,13 @@ class SlotArray(Buffer):
     __slots__ = ("_hold", "tag")
 
     def __init__(self, base: Buffer, offset: int, shape: Any, dtype: Any, hold: Any, tag: str | None) -> None:
-        super().__init__(base._memory, offset, shape, dtype)
+        super().__init__(memory_of(base), offset, shape, dtype)
         self._hold = hold  # (the ring item, the Manager): the slot and the memory's owner stay while we do
         self.tag = tag
 
     def view(self, dtype: object = None, shape: object = None) -> Buffer:
         plain = Buffer.view(self, dtype, shape)
-        out = SlotArray(plain, plain._offset, plain.shape, plain.dtype, self._hold, self.tag)
+        out = SlotArray(plain, byte_offset(plain), plain.shape, plain.dtype, self._hold, self.tag)
         plain.release()
         return out
 
@@ -238,7 +238,7 @@ def build(node: Any, item: Buffer, hold: Any, convert: Callable[[SlotArray], Any
     kind = node[0]
     if kind == "array":
         _, offset, shape, dtype, tag = node
-        return convert(SlotArray(item, item._offset + offset, shape, np.dtype(dtype), hold, tag))
+        return convert(SlotArray(item, byte_offset(item) + offset, shape, np.dtype(dtype), hold, tag))
     if kind == "value":
         return node[1]
     if kind == "dict":

@@ -1,7 +1,7 @@
 """Authenticated Unix-socket services: the one transport of gpushare's control plane.
 
 Both the lifetime service (``_lifetime.Owner``) and the fan-out ring
-(``_ring``) listen on an AF_UNIX socket in a private temporary directory
+(``_fanout``) listen on an AF_UNIX socket in a private temporary directory
 (mode 0600), accept in a thread, and hand each connection to a handler
 thread. Every connection starts with multiprocessing's HMAC challenge in
 both directions, with the process authkey, before anything is unpickled:
@@ -19,7 +19,6 @@ import os
 import select
 import socket
 import struct
-import tempfile
 import threading
 from collections.abc import Callable
 from multiprocessing import connection, parent_process
@@ -127,6 +126,8 @@ class UnixListener:
     to ``handler(sock)`` on a daemon thread of its own."""
 
     def __init__(self, name: str, handler: Callable[[socket.socket], None], backlog: int = 128) -> None:
+        import tempfile  # here: importing it costs a few ms that a process with no service never pays
+
         # The pid in the name lets the Manager's server clean up after a killed owner.
         self._dir = tempfile.mkdtemp(prefix=f"gpushare-{name}-{os.getpid()}-")
         self.address = os.path.join(self._dir, f"{name}.sock")

@@ -24,45 +24,43 @@ one keep it until they unmap), and ends the server:
 Server-owned buffers (``Manager(owner="server")``)
 --------------------------------------------------
 The memory belongs to an :class:`~gpushare._lifetime.Owner` that lives in
-the server process, made on first use. ``m.empty()`` in a client asks the
-server (one manager call, :meth:`ServerBuffers.allocate`) to allocate and
-to describe the memory with a lease for the caller, then claims that
-lease: the caller's Buffer is a lease like any consumer's, and the server
-keeps no reference of its own. So the memory lives exactly as long as
-some process holds it, whether or not the process that asked for it is
-still alive: a trainer can die, and inference workers keep their weights.
+the server process, made on first use (:func:`owner_info`: a process-owned
+Manager's server never loads the lifetime service at all). A client learns
+the owner's address and token with one manager call, then talks to it like
+any consumer of any owner, over its link: ``m.empty()`` is an ``alloc``
+request, answered with the descriptor of new memory under a lease for the
+caller, which claims it. The caller's Buffer is a lease like any
+consumer's, and the server keeps no reference of its own, so the memory
+lives exactly as long as some process holds it, whether or not the process
+that asked for it is still alive: a trainer can die, and inference workers
+keep their weights.
 
 The client names a CUDA device by UUID (ordinals differ between processes
 with different ``CUDA_VISIBLE_DEVICES``). ``m.stats()`` and ``m.trim()``
-are manager calls; ``m.shutdown()`` first closes the client's own link to
-the server's owner (its buffers become unusable: the memory is about to be
-freed), then shuts the owner down (bounded wait for other processes'
-leases, leak warnings re-raised in the client), then stops the server.
+are requests on the same link; ``m.shutdown()`` first closes the client's
+own link to the server's owner (its buffers become unusable: the memory is
+about to be freed), then asks the owner to shut down over a fresh link
+(bounded wait for other processes' leases; its leak warnings come back and
+are raised again in the client), then stops the server.
 """
 
 from __future__ import annotations
 
 import atexit
-import glob
 import logging
 import os
 import socket
 import stat
-import tempfile
 import threading
 import time
-import warnings
 from multiprocessing import connection, current_process, parent_process
-from typing import Any
 
-from . import _backends
-from ._backends import host
-from ._buffer import Buffer, check_dtype, check_shape
-from ._errors import LeakWarning
-from ._lifetime import Owner
-from ._reduction import descriptor_of
+# typing is not imported at run time: it costs every process about 3 ms (see gpushare._seams).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
-__all__ = ["ServerBuffers", "remove_stale_sockets", "server_buffers", "server_init"]
+__all__ = ["OWNER_MODES", "owner_info", "remove_stale_sockets", "server_init", "shutdown_owner"]
 
 log = logging.getLogger("gpushare")
 
@@ -71,8 +69,8 @@ POLL = 0.2  # seconds between the watchdog's checks once the parent is gone
 
 _mode = "process"
 _options: dict[str, Any] = {}
-_buffers: ServerBuffers | None = None
-_buffers_lock = threading.Lock()
+_owner: Any = None  # owner="server": the server's Owner, made by the first owner_info()
+_owner_lock = threading.Lock()
 
 
 def server_init(mode: str, options: dict[str, Any], initializer: Any, initargs: Any) -> None:
@@ -101,9 +99,11 @@ def _watch() -> None:
         # Its sockets close with its last thread, a little after the sentinel fires.
         remove_stale_sockets(parent_pid, settle=5.0)
         # Its host segments: nobody else may unlink them, and consumers keep their mappings.
+        from ._backends import host
+
         host.unlink_segments_of(parent_pid)
     if _mode == "server":
-        owner = _buffers.owner if _buffers is not None else None
+        owner = _owner
         while owner is not None and owner.stats()["leases"]:
             time.sleep(POLL)
         if owner is not None:
@@ -114,8 +114,8 @@ def _watch() -> None:
 
 def _at_exit() -> None:
     # The server stops (shutdown, or its client gone): the owner's socket goes with it.
-    if _buffers is not None:
-        _buffers.owner.shutdown(0.0)
+    if _owner is not None:
+        _owner.shutdown(0.0)
 
 
 def remove_stale_sockets(pid: int, settle: float = 0.0) -> list[str]:
@@ -126,6 +126,9 @@ def remove_stale_sockets(pid: int, settle: float = 0.0) -> list[str]:
     socket that still answers is looked at again for up to ``settle`` seconds
     (a dying process closes its files last). Returns the directories removed.
     """
+    import glob
+    import tempfile
+
     removed = []
     deadline = time.monotonic() + settle
     pending = glob.glob(os.path.join(tempfile.gettempdir(), f"gpushare-*-{int(pid)}-*"))
@@ -167,56 +170,31 @@ def _answers(address: str) -> bool:
         sock.close()
 
 
-class ServerBuffers:
-    """The server's side of ``owner="server"``: reached through a manager proxy."""
+def owner_info() -> tuple[str, bytes]:
+    """In the server: the address and token of its Owner, made on the first call (the
+    manager typeid's callable; a client reads the value once)."""
+    global _owner
+    with _owner_lock:
+        if _owner is None:
+            from ._lifetime import Owner
 
-    def __init__(self) -> None:
-        options = dict(_options)
-        self.owner = Owner(authkey=bytes(current_process().authkey), **options)
-
-    def allocate(
-        self, shape: tuple[int, ...], dtype: str, uuid: bytes | None, backend: str, nbytes: int, label: str
-    ) -> bytes:
-        """Allocate; return the descriptor of a lease for the caller (who claims it)."""
-        dims = check_shape(shape)
-        dt = check_dtype(dtype)
-        chosen = _backends.get(backend)
-        ordinal = None
-        if uuid is not None:
-            from . import _cuda
-
-            ordinal = _cuda.ordinal_from_uuid(uuid)
-            chosen.check_device(ordinal)
-        buf = Buffer(self.owner.allocate(chosen, nbytes, ordinal, label), 0, dims, dt)
-        try:
-            return descriptor_of(buf).to_bytes()
-        finally:
-            buf.release()  # the caller's lease keeps the memory; the server holds no reference
-
-    def token(self) -> bytes:
-        return self.owner.token
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def stats(self) -> dict[str, Any]:
-        return self.owner.stats()
-
-    def trim(self) -> int:
-        return self.owner.trim()
-
-    def shutdown(self, timeout: float | None) -> list[str]:
-        """Shut the owner down; return the text of any leak warning, for the client to raise."""
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", LeakWarning)
-            self.owner.shutdown(timeout)
-        return [str(w.message) for w in caught if issubclass(w.category, LeakWarning)]
+            _owner = Owner(authkey=bytes(current_process().authkey), **_options)
+        return (_owner.address, _owner.token)
 
 
-def server_buffers() -> ServerBuffers:
-    """The server's one ServerBuffers (the manager typeid's callable)."""
-    global _buffers
-    with _buffers_lock:
-        if _buffers is None:
-            _buffers = ServerBuffers()
-        return _buffers
+def shutdown_owner(address: str, token: bytes, timeout: float) -> list[str]:
+    """In a client: ask the server's Owner to shut down, over a link of its own; return the
+    text of the owner's leak warnings (the caller raises them again)."""
+    from ._errors import OwnerGoneError
+    from ._lifetime import close_link, link_for
+    from ._lifetime._protocol import REQUEST_TIMEOUT
+
+    close_link(token)  # this process's buffers go first: the memory is about to be freed
+    try:
+        connection = link_for(address, token).connection
+        messages = connection.answer(connection.ask("shutdown", timeout), timeout + REQUEST_TIMEOUT)
+    except OwnerGoneError:  # already gone (shut down by another client, or the server exited)
+        messages = []
+    finally:
+        close_link(token)
+    return list(messages)

@@ -1,6 +1,6 @@
 """The producer's end of a ring: slot states, registration, publishing, releases.
 
-See :mod:`gpushare._ring` for the protocol. Locks: ``_io`` serializes
+See :mod:`gpushare._fanout` for the protocol; :class:`~._ring.Ring` is the public handle. Locks: ``_io`` serializes
 everything that touches the slot states, consumer channels and sockets or
 closes them (acquire, publish, stats, close, dropping a consumer); ``_lock``
 guards the consumer table (``_consumers``, and ``_targets``, the tuple of
@@ -22,34 +22,31 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from multiprocessing import AuthenticationError, connection, current_process, reduction
+from multiprocessing import AuthenticationError, connection, reduction
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, NoReturn
 
 from .. import _cuda
+from .._authsocket import UnixListener, accept, socket_timeouts
 from .._buffer import Buffer
-from .._errors import BackendUnavailableError, RingClosedError
-from .._service import UnixListener, accept, socket_timeouts
+from .._errors import RingClosedError, WaitTimeoutError
 from . import _channel
 from ._channel import INLINE_META, RECORDED, Channel, poke, soak
-from ._common import (
+from ._item import RingItem, slot_view
+from ._wire import (
     CLOSED,
-    GONE,
     MAX_META,
-    MAX_SLOTS,
     META,
     REGISTER_TIMEOUT,
     SEND_TIMEOUT,
     SPIN_LOOKS,
     Frames,
-    SlotBuffer,
     SpinPolicy,
-    check_spin,
     poll_ms,
     send_frame,
 )
 
-__all__ = ["Producer", "Ring", "create_ring"]
+__all__ = ["Producer"]
 
 log = logging.getLogger("gpushare")
 
@@ -88,6 +85,7 @@ class Producer:
         self, buffers: list[Buffer], wanted: int, authkey: bytes, spin: float = 0.0, adaptive: bool = False
     ) -> None:
         self.buffers = buffers
+        self._views = [slot_view(b) for b in buffers]  # what each slot's items are made from
         self.n = len(buffers)
         self.wanted = wanted
         self.authkey = authkey
@@ -356,10 +354,10 @@ class Producer:
     def _raise_closed(self) -> NoReturn:
         raise RingClosedError(f"this ring was closed ({self.closed}); make a new ring with manager.ring(...)")
 
-    def acquire(self, owner: Ring, timeout: float | None) -> SlotBuffer:
+    def acquire(self, owner: object, timeout: float | None) -> RingItem:
         io = self._io
         if not io.acquire(False) and not io.acquire(True, -1 if timeout is None else max(0.0, timeout)):
-            raise TimeoutError(f"acquire() waited {timeout:g} s for another thread using this ring")
+            raise WaitTimeoutError(f"acquire() waited {timeout:g} s for another thread using this ring")
         try:
             free = self._free
             waiting = slept = False  # the first try found no free slot; a poll() slept since
@@ -397,7 +395,7 @@ class Producer:
                     continue
                 remaining = None if deadline is None else deadline - now
                 if remaining is not None and remaining <= 0:
-                    raise TimeoutError(self._busy_message(timeout))
+                    raise WaitTimeoutError(self._busy_message(timeout))
                 self._drain(remaining)
                 slept = True
             if readers:
@@ -411,7 +409,7 @@ class Producer:
                     if not c.dead and c.events and not _cuda.event_done(c.events[slot], self.device):  # type: ignore[arg-type]
                         _cuda.stream_wait_event(0, c.events[slot], self.device)  # type: ignore[arg-type]
             # Made under _io: close() releases the slot buffers only after taking it.
-            return SlotBuffer(self.buffers[slot], owner, slot, None, epoch, None, self.unpublished)
+            return RingItem(self._views[slot], owner, slot, None, epoch, None, self.unpublished)
         finally:
             io.release()
 
@@ -433,13 +431,13 @@ class Producer:
             "'with ring.get() as item:' or 'for item in ring'); if they are only slow, wait longer or add slots"
         )
 
-    def publish(self, buf: Buffer, meta: Any, timeout: float | None, stream: int | None = None) -> int:
-        # A closed ring raises below, under _io (and in _await_consumers).
-        # A consumer's items are SlotBuffers too: their _ring is a RingConsumer, which has no _core.
-        if buf.__class__ is not SlotBuffer or getattr(buf._ring, "_core", None) is not self:  # type: ignore[attr-defined]
+    def publish(self, owner: object, buf: Buffer, meta: Any, timeout: float | None, stream: int | None = None) -> int:
+        # A closed ring raises below, under _io (and in _await_consumers). A consumer's
+        # items are RingItems too, but they belong to its RingConsumer.
+        if buf.__class__ is not RingItem or not buf._belongs_to(owner):  # type: ignore[attr-defined]
             raise ValueError("publish() takes a buffer returned by this ring's acquire()")
-        item: SlotBuffer = buf  # type: ignore[assignment]
-        if item._on_release is None:
+        item: RingItem = buf  # type: ignore[assignment]
+        if not item._still_acquired():
             raise ValueError(f"slot {item.slot} was already published or released; acquire() a slot for each publish()")
         if meta is None:
             inline: bytes | None = b""
@@ -504,10 +502,7 @@ class Producer:
             if dropped is not None:
                 for c in dropped:
                     self._drop(c)
-        # Published: the slot is the consumers' now, not free, and this item is spent
-        # (the slot's own Buffer stays with the ring).
-        item._on_release = None
-        item._finalizer = GONE  # type: ignore[assignment]
+        item._published()
         return seq
 
     def _await_consumers(self, timeout: float | None) -> None:
@@ -518,7 +513,7 @@ class Producer:
             while self._registered < self.wanted and self.closed is None:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
-                    raise TimeoutError(
+                    raise WaitTimeoutError(
                         f"publish() waited {timeout:g} s for {self.wanted} consumer(s) to register; "
                         f"{self._registered} did. A consumer registers when a worker unpickles the ring "
                         "(pass it as a Process argument or through a queue); start the consumers, wait "
@@ -550,6 +545,10 @@ class Producer:
         finally:
             if got:
                 self._io.release()
+
+    def consumer_count(self) -> int:
+        with self._lock:
+            return len(self._consumers)
 
     def close(self, reason: str) -> None:
         with self._lock:
@@ -586,166 +585,3 @@ class Producer:
                 if self._state[slot] != _ACQUIRED:
                     b.release()
         self._listener.close()
-
-
-class Ring:
-    """The producer end of a ring of pre-shared slots (made by ``manager.ring(...)``).
-
-    ::
-
-        with manager.ring((64, 1024), "float32", slots=4, consumers=2) as ring:
-            workers = [mp.Process(target=consume, args=(ring,)) for _ in range(2)]
-            ...
-            for step in range(steps):
-                buf = ring.acquire(timeout=10)   # a free slot (blocks while all are busy)
-                buf.copy_from(batch)             # write it
-                ring.publish(buf, meta=step)     # hand it to every registered consumer
-
-        def consume(ring):                       # the ring unpickles as a RingConsumer
-            for item in ring:                    # until the producer closes the ring
-                use(item, item.meta)             # released when the loop moves on
-
-    Pickling a Ring gives a consumer end (:class:`RingConsumer`); each
-    unpickling registers one consumer. See :mod:`gpushare._ring` for the
-    protocol. The producer's methods are meant for one thread; ``close()``
-    and ``stats()`` may come from another.
-    """
-
-    def __init__(self, core: Producer) -> None:
-        self._core = core
-        self._finalizer = weakref.finalize(
-            self, core.close, "the producer's Ring was garbage collected without close()"
-        )
-
-    @property
-    def slots(self) -> int:
-        return self._core.n
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self._core.buffers[0].shape
-
-    @property
-    def dtype(self) -> Any:
-        return self._core.buffers[0].dtype
-
-    @property
-    def device(self) -> int | str:
-        """The CUDA ordinal of the slots in this process, or ``"cpu"``."""
-        return self._core.device
-
-    @property
-    def backend(self) -> str:
-        return self._core.buffers[0].backend
-
-    @property
-    def spin(self) -> float | str:
-        """``"auto"``, or the seconds each end spins on shared memory before it sleeps (0: never spins)."""
-        return self._core.spin.setting
-
-    @property
-    def closed(self) -> bool:
-        return self._core.closed is not None
-
-    def acquire(self, timeout: float | None = None) -> Buffer:
-        """A free slot's buffer, to write and then :meth:`publish`.
-
-        Blocks while every slot is held by some consumer (or acquired and
-        not yet published), applying releases as they arrive; after
-        ``timeout`` seconds raises :class:`TimeoutError` naming who holds
-        what. Releasing the returned buffer without publishing it returns
-        the slot. Raises :class:`RingClosedError` once the ring is closed.
-        On CUDA the producer's default stream is made to wait for the
-        consumers' reads of the slot (their release events): write the slot
-        on the default stream, or synchronize with it first.
-        """
-        return self._core.acquire(self, timeout)
-
-    def publish(self, buf: Buffer, meta: Any = None, *, timeout: float | None = None, stream: int | None = None) -> int:
-        """Hand ``buf`` (from :meth:`acquire`) to every registered consumer; return its sequence number.
-
-        ``meta`` (small and picklable; no Buffers: it is pickled once for
-        every consumer) travels with it as ``item.meta``. Until
-        ``consumers`` consumers have registered, waits for them, for at
-        most ``timeout`` seconds (then :class:`TimeoutError`). On CUDA the
-        slot's ready event is recorded on ``stream`` (an int handle; default
-        the legacy default stream, where torch's and CuPy's default work
-        runs) and consumers order their reads after it: work on other
-        streams that writes the slot must be ordered before that stream.
-        ``buf`` is released here: the slot belongs to the consumers until
-        they all release it.
-        """
-        return self._core.publish(buf, meta, timeout, stream)
-
-    def close(self) -> None:
-        """End the ring: consumers get every item already published, then RingClosedError
-        (their iteration stops). Idempotent; never blocks on consumers."""
-        self._core.close("the producer called close()")
-
-    def stats(self) -> dict[str, Any]:
-        """Slots ``free``/``acquired``/``busy`` (held by consumers), ``consumers`` (live, with
-        ``consumer_pids``), ``registered`` (ever), ``published`` (items so far), ``closed``."""
-        return self._core.stats()
-
-    def _not_a_consumer(self, *args: Any, **kwargs: Any) -> NoReturn:
-        raise TypeError(
-            "this is the producer end of the ring (acquire/publish); consumers get theirs by unpickling "
-            "it: pass the ring as a spawned Process argument, or through a queue or a pipe. (Under the "
-            "fork start method Process arguments are inherited, not pickled: send the ring through a queue)"
-        )
-
-    get = items = release = __iter__ = _not_a_consumer
-
-    def __enter__(self) -> Ring:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        if self._core.closed is not None:
-            raise RingClosedError(
-                f"cannot pickle a closed ring ({self._core.closed}): it has no items left to give a consumer"
-            )
-        from ._consumer import attach
-
-        return (attach, (self._core.address, self._core.info))
-
-    def __repr__(self) -> str:
-        state = "closed" if self.closed else f"{len(self._core._consumers)} consumer(s)"
-        return (
-            f"<gpushare.Ring slots={self.slots} shape={self.shape} dtype={self.dtype} device={self.device!r} {state}>"
-        )
-
-
-def create_ring(
-    manager: Any,
-    shape: Any,
-    dtype: Any = "float32",
-    device: Any = None,
-    *,
-    slots: int = 4,
-    consumers: int = 1,
-    backend: str | None = None,
-    spin: bool | float | str = "auto",
-) -> Ring:
-    """Allocate ``slots`` buffers with ``manager`` and start the ring's service (all or nothing)."""
-    if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= MAX_SLOTS:
-        raise ValueError(f"slots={slots!r} must be an int from 1 to {MAX_SLOTS}")
-    if isinstance(consumers, bool) or not isinstance(consumers, int) or consumers < 0:
-        raise ValueError(f"consumers={consumers!r} must be an int >= 0 (how many registrations publish() waits for)")
-    spin_s, adaptive = check_spin(spin)
-    if not _channel.available():
-        raise BackendUnavailableError(
-            "rings need memfd_create and eventfd (Linux); on this platform send buffers through a Queue or a Pipe"
-        )
-    buffers: list[Buffer] = []
-    try:
-        for _ in range(slots):
-            buffers.append(manager.empty(shape, dtype, device, backend=backend))
-        core = Producer(buffers, consumers, bytes(current_process().authkey), spin_s, adaptive)
-    except BaseException:
-        for b in buffers:
-            b.release()
-        raise
-    return Ring(core)

@@ -1,0 +1,184 @@
+"""The producer's end of a ring as the user holds it: :class:`Ring`, and :func:`create_ring`.
+
+A Ring is a thin handle on a :class:`~._producer.Producer` (the slot states,
+the registration service, publishing); pickling it gives a consumer end
+(:class:`~._consumer.RingConsumer`). See :mod:`gpushare._fanout` for the
+protocol.
+"""
+
+from __future__ import annotations
+
+import weakref
+from multiprocessing import current_process
+from typing import Any, NoReturn
+
+from .._buffer import Buffer
+from .._errors import BackendUnavailableError, RingClosedError
+from . import _channel
+from ._producer import Producer
+from ._wire import MAX_SLOTS, check_spin
+
+__all__ = ["Ring", "create_ring"]
+
+
+class Ring:
+    """The producer end of a ring of pre-shared slots (made by ``manager.ring(...)``).
+
+    ::
+
+        with manager.ring((64, 1024), "float32", slots=4, consumers=2) as ring:
+            workers = [mp.Process(target=consume, args=(ring,)) for _ in range(2)]
+            ...
+            for step in range(steps):
+                buf = ring.acquire(timeout=10)   # a free slot (blocks while all are busy)
+                buf.copy_from(batch)             # write it
+                ring.publish(buf, meta=step)     # hand it to every registered consumer
+
+        def consume(ring):                       # the ring unpickles as a RingConsumer
+            for item in ring:                    # until the producer closes the ring
+                use(item, item.meta)             # released when the loop moves on
+
+    Pickling a Ring gives a consumer end (:class:`RingConsumer`); each
+    unpickling registers one consumer. See :mod:`gpushare._fanout` for the
+    protocol. The producer's methods are meant for one thread; ``close()``
+    and ``stats()`` may come from another.
+    """
+
+    def __init__(self, core: Producer) -> None:
+        self._core = core
+        self._finalizer = weakref.finalize(
+            self, core.close, "the producer's Ring was garbage collected without close()"
+        )
+
+    @property
+    def slots(self) -> int:
+        return self._core.n
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._core.buffers[0].shape
+
+    @property
+    def dtype(self) -> Any:
+        return self._core.buffers[0].dtype
+
+    @property
+    def device(self) -> int | str:
+        """The CUDA ordinal of the slots in this process, or ``"cpu"``."""
+        return self._core.device
+
+    @property
+    def backend(self) -> str:
+        return self._core.buffers[0].backend
+
+    @property
+    def spin(self) -> float | str:
+        """``"auto"``, or the seconds each end spins on shared memory before it sleeps (0: never spins)."""
+        return self._core.spin.setting
+
+    @property
+    def closed(self) -> bool:
+        return self._core.closed is not None
+
+    def acquire(self, timeout: float | None = None) -> Buffer:
+        """A free slot's buffer, to write and then :meth:`publish`.
+
+        Blocks while every slot is held by some consumer (or acquired and
+        not yet published), applying releases as they arrive; after
+        ``timeout`` seconds raises :class:`~gpushare.WaitTimeoutError` (a
+        ``TimeoutError``) naming who holds what. Releasing the returned buffer without publishing it returns
+        the slot. Raises :class:`RingClosedError` once the ring is closed.
+        On CUDA the producer's default stream is made to wait for the
+        consumers' reads of the slot (their release events): write the slot
+        on the default stream, or synchronize with it first.
+        """
+        return self._core.acquire(self, timeout)
+
+    def publish(self, buf: Buffer, meta: Any = None, *, timeout: float | None = None, stream: int | None = None) -> int:
+        """Hand ``buf`` (from :meth:`acquire`) to every registered consumer; return its sequence number.
+
+        ``meta`` (small and picklable; no Buffers: it is pickled once for
+        every consumer) travels with it as ``item.meta``. Until
+        ``consumers`` consumers have registered, waits for them, for at
+        most ``timeout`` seconds (then :class:`~gpushare.WaitTimeoutError`). On CUDA the
+        slot's ready event is recorded on ``stream`` (an int handle; default
+        the legacy default stream, where torch's and CuPy's default work
+        runs) and consumers order their reads after it: work on other
+        streams that writes the slot must be ordered before that stream.
+        ``buf`` is released here: the slot belongs to the consumers until
+        they all release it.
+        """
+        return self._core.publish(self, buf, meta, timeout, stream)
+
+    def close(self) -> None:
+        """End the ring: consumers get every item already published, then RingClosedError
+        (their iteration stops). Idempotent; never blocks on consumers."""
+        self._core.close("the producer called close()")
+
+    def stats(self) -> dict[str, Any]:
+        """Slots ``free``/``acquired``/``busy`` (held by consumers), ``consumers`` (live, with
+        ``consumer_pids``), ``registered`` (ever), ``published`` (items so far), ``closed``."""
+        return self._core.stats()
+
+    def _not_a_consumer(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise TypeError(
+            "this is the producer end of the ring (acquire/publish); consumers get theirs by unpickling "
+            "it: pass the ring as a spawned Process argument, or through a queue or a pipe. (Under the "
+            "fork start method Process arguments are inherited, not pickled: send the ring through a queue)"
+        )
+
+    get = items = release = __iter__ = _not_a_consumer
+
+    def __enter__(self) -> Ring:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        if self._core.closed is not None:
+            raise RingClosedError(
+                f"cannot pickle a closed ring ({self._core.closed}): it has no items left to give a consumer"
+            )
+        from ._consumer import attach
+
+        return (attach, (self._core.address, self._core.info))
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"{self._core.consumer_count()} consumer(s)"
+        return (
+            f"<gpushare.Ring slots={self.slots} shape={self.shape} dtype={self.dtype} device={self.device!r} {state}>"
+        )
+
+
+def create_ring(
+    manager: Any,
+    shape: Any,
+    dtype: Any = "float32",
+    device: Any = None,
+    *,
+    slots: int = 4,
+    consumers: int = 1,
+    backend: str | None = None,
+    spin: bool | float | str = "auto",
+) -> Ring:
+    """Allocate ``slots`` buffers with ``manager`` and start the ring's service (all or nothing)."""
+    if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= MAX_SLOTS:
+        raise ValueError(f"slots={slots!r} must be an int from 1 to {MAX_SLOTS}")
+    if isinstance(consumers, bool) or not isinstance(consumers, int) or consumers < 0:
+        raise ValueError(f"consumers={consumers!r} must be an int >= 0 (how many registrations publish() waits for)")
+    spin_s, adaptive = check_spin(spin)
+    if not _channel.available():
+        raise BackendUnavailableError(
+            "rings need memfd_create and eventfd (Linux); on this platform send buffers through a Queue or a Pipe"
+        )
+    buffers: list[Buffer] = []
+    try:
+        for _ in range(slots):
+            buffers.append(manager.empty(shape, dtype, device, backend=backend))
+        core = Producer(buffers, consumers, bytes(current_process().authkey), spin_s, adaptive)
+    except BaseException:
+        for b in buffers:
+            b.release()
+        raise
+    return Ring(core)
