@@ -6,21 +6,30 @@
 * Every test that starts processes uses the ``reap`` fixture (or the
   helpers here), which kills whatever a test left running, so a stuck child
   cannot wedge the suite; pytest-timeout bounds each test.
+* The helpers more than one test file uses live here, and only here
+  (``test_layers.py`` checks that no two test files define the same one);
+  worker targets more than one file starts are in ``workers.py``.
 """
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
+import pickle
 import queue
+import signal
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
+from workers import w_unpickle_and_sum
 
 import gpushare as mp
-from gpushare import _cuda
+from gpushare import _authsocket, _cuda
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -118,12 +127,19 @@ def guarded(fn: Callable[..., object], out: object, *args: object) -> None:
         raise
 
 
-def recv(out: object, timeout: float = 60.0, waiting_for: str = "a worker's answer") -> tuple[object, ...]:
-    """The next message a ``guarded`` worker sent; its traceback fails the test."""
+def recv(
+    out: object,
+    *procs: multiprocessing.process.BaseProcess,
+    timeout: float = 60.0,
+    waiting_for: str = "a worker's answer",
+) -> tuple[object, ...]:
+    """The next message a ``guarded`` worker sent; its traceback fails the test. A
+    timeout names the exit codes of ``procs``, the workers that should have answered."""
     try:
         msg = out.get(timeout=timeout)  # type: ignore[attr-defined]
     except queue.Empty:
-        pytest.fail(f"no answer within {timeout} s while waiting for {waiting_for}")
+        codes = f" (exit codes {[p.exitcode for p in procs]})" if procs else ""
+        pytest.fail(f"no answer within {timeout} s while waiting for {waiting_for}{codes}")
     if msg[0] == "error":
         pytest.fail(f"worker failed:\n{msg[1]}")
     return msg  # type: ignore[no-any-return]
@@ -138,6 +154,126 @@ def wait_until(predicate: Callable[[], object], timeout: float = 5.0, interval: 
         if time.monotonic() > deadline:
             pytest.fail(f"condition not met within {timeout} s: {predicate}")
         time.sleep(interval)
+
+
+# -- starting and joining workers --------------------------------------------------------
+
+
+def start(
+    reap: list[multiprocessing.process.BaseProcess], target: Callable[..., object], *args: object, **kwargs: object
+) -> multiprocessing.process.BaseProcess:
+    """Start ``mp.Process(target=target, args=args, **kwargs)``; ``reap`` kills it if it outlives the test."""
+    proc = mp.Process(target=target, args=args, **kwargs)  # type: ignore[arg-type]
+    proc.start()
+    reap.append(proc)
+    return proc
+
+
+def start_guarded(
+    reap: list[multiprocessing.process.BaseProcess],
+    fn: Callable[..., object],
+    out: object,
+    *args: object,
+    device: int | str | None = None,
+    env: dict[str, str] | None = None,
+) -> multiprocessing.process.BaseProcess:
+    """Start ``fn(out, *args)`` under :func:`guarded` on ``device``, with ``env`` set
+    in the environment it starts with; ``reap`` kills it if it outlives the test."""
+    saved = {}
+    for key, value in (env or {}).items():  # a spawned child inherits the environment at start()
+        saved[key] = os.environ.get(key)
+        os.environ[key] = value
+    try:
+        proc = mp.Process(target=guarded, args=(fn, out, *args), device=device)
+        proc.start()
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    reap.append(proc)
+    return proc
+
+
+def run_guarded(
+    reap: list[multiprocessing.process.BaseProcess],
+    fn: Callable[..., object],
+    *args: object,
+    device: int | str | None = None,
+) -> object:
+    """Start ``fn(out, *args)`` under :func:`guarded` with a new queue ``out``; return the queue."""
+    out = mp.Queue()
+    start_guarded(reap, fn, out, *args, device=device)
+    return out
+
+
+def join_ok(*procs: multiprocessing.process.BaseProcess, timeout: float = 60.0) -> None:
+    """Each worker exits, with exit code 0, within ``timeout`` seconds."""
+    for proc in procs:
+        proc.join(timeout)
+        assert not proc.is_alive(), f"worker {proc.pid} did not exit within {timeout:g} s"
+        assert proc.exitcode == 0, f"worker {proc.pid} exited with {proc.exitcode}"
+
+
+def kill_quietly(pid: int) -> None:
+    """SIGKILL ``pid`` if it is still there (what a test leaves that ``reap`` does not know)."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def all_gone(pids: list[int]) -> bool:
+    """None of ``pids`` is alive (workers, a Manager's server)."""
+    return not any(_authsocket.process_alive(pid, sentinel=False) for pid in pids)
+
+
+# -- Managers ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[mp.BufferManager]:
+    """One ``owner="server"`` Manager for a whole test module (the loaders' tests)."""
+    with mp.Manager(owner="server", release_timeout=2.0) as m:
+        yield m
+
+
+def no_leases(manager: mp.BufferManager) -> bool:
+    """No lease of ``manager`` is out, once this process's garbage is collected."""
+    gc.collect()
+    return manager.stats()["leases"] == 0
+
+
+def assert_intact(
+    m: mp.BufferManager,
+    reap: list[multiprocessing.process.BaseProcess],
+    device: int | str = "cpu",
+    backend: str | None = None,
+) -> None:
+    """The Manager still allocates, shares with a worker and recycles, and its counts add up."""
+    before = m.stats()
+    buf = m.full((256,), 2.0, "float32", device=device, backend=backend)
+    out = run_guarded(reap, w_unpickle_and_sum, pickle.dumps(buf), device=device)
+    assert recv(out) == ("ok", 512.0)
+    wait_until(lambda: m.stats()["leases"] == before["leases"])
+    buf.release()
+    after = m.stats()
+    assert after["live_buffers"] == before["live_buffers"]
+    assert after["leaked_buffers"] == 0 and not after["closed"]
+
+
+# -- GPU tests ---------------------------------------------------------------------------
+
+GPU_TIMEOUT = 30.0  # seconds, a GPU test's wait for one worker message or exit
+MiB = 1 << 20
+
+
+def require(name: str) -> Any:
+    """pytest.importorskip, without letting an import-time warning become an error."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return pytest.importorskip(name)
 
 
 @pytest.fixture(autouse=True)

@@ -1,12 +1,24 @@
-"""Buffer on the host backend, in one process: attributes, views, copies, interop, errors."""
+"""Buffer: attributes, views, copies, interop, release, and the errors of asking for one.
+
+On the host backend in one process, but for a release checked across
+processes (a worker reads a view of a released buffer) and, marked ``gpu``,
+a cuda_ipc buffer: its views in torch, CuPy, Numba and JAX (in a worker),
+its pickling in its owner's process, and what it refuses once released.
+What the Manager does with the memory (rounding, pooling, trim, limits,
+shutdown) is in test_manager.py.
+"""
 
 from __future__ import annotations
 
 import gc
+import os
 import pickle
+from typing import Any
 
 import numpy as np
 import pytest
+from conftest import GPU_TIMEOUT, assert_intact, join_ok, recv, require, run_guarded, start_guarded, wait_until
+from workers import w_sum_each
 
 import gpushare as mp
 
@@ -36,11 +48,6 @@ def test_zeros_full_from_numpy_buffer(manager: mp.BufferManager) -> None:
     np.testing.assert_array_equal(buf.numpy(), src)
     raw = manager.buffer(100, device="cpu")
     assert raw.dtype == np.uint8 and raw.shape == (100,)
-
-
-def test_sizes_over_2mib_round_up(manager: mp.BufferManager) -> None:
-    manager.empty((3 << 20,), "uint8", device="cpu")
-    assert manager.stats()["bytes_allocated"] == 4 << 20
 
 
 def test_asarray_with_dtype_and_copy(manager: mp.BufferManager) -> None:
@@ -134,6 +141,27 @@ def test_released_buffer_refuses_every_touch(manager: mp.BufferManager) -> None:
     assert "released" in repr(buf)
 
 
+def test_double_release_and_use_after_release_across_processes(manager, reap) -> None:
+    buf = manager.full((16,), 1.0, "float32", device="cpu")
+    view = buf.view()
+    buf.release()
+    buf.release()
+    assert view.numpy().sum() == 16.0  # the view's own reference keeps the memory
+    with pytest.raises(mp.BufferReleasedError, match="released"):
+        pickle.dumps(buf)
+    jobs = mp.Queue()
+    with pytest.raises(mp.BufferReleasedError):
+        jobs.put(buf)  # refused in the caller, and nothing half-sent
+    out = run_guarded(reap, w_sum_each, jobs, 1)
+    jobs.put(view)  # the queue still works
+    assert recv(out) == ("sum", 16.0)
+    wait_until(lambda: manager.stats()["leases"] == 0)
+    view.release()
+    view.release()
+    assert manager.stats()["live_buffers"] == 0 and manager.stats()["pooled_buffers"] == 1
+    assert_intact(manager, reap)
+
+
 def test_host_array_keeps_its_memory_after_release(manager: mp.BufferManager) -> None:
     buf = manager.full((1000,), 3, "int64", device="cpu")
     view = buf.numpy()[10:]
@@ -145,36 +173,6 @@ def test_host_array_keeps_its_memory_after_release(manager: mp.BufferManager) ->
     del view
     gc.collect()
     assert manager.stats()["pooled_buffers"] == 1  # recycled once the array is gone
-
-
-def test_garbage_collection_recycles(manager: mp.BufferManager) -> None:
-    buf = manager.empty((10,), device="cpu")
-    del buf
-    gc.collect()
-    stats = manager.stats()
-    assert stats["live_buffers"] == 0 and stats["pooled_buffers"] == 1
-    again = manager.empty((20,), device="cpu")  # same size class: reused
-    assert manager.stats()["reused"] == 1
-    assert again.shape == (20,)
-
-
-def test_trim_frees_pool(manager: mp.BufferManager) -> None:
-    for _ in range(3):
-        manager.empty((3 << 20,), "uint8", device="cpu").release()
-    assert manager.stats()["bytes_pooled"] == 4 << 20
-    assert manager.trim() == 4 << 20
-    assert manager.stats()["bytes_allocated"] == 0
-
-
-def test_pool_limit_is_enforced(tmp_path) -> None:
-    with mp.Manager(pool_limit=2 << 20) as m:
-        bufs = [m.empty((1,), "uint8", device="cpu") for _ in range(4)]
-        del bufs
-        gc.collect()
-        from conftest import wait_until
-
-        wait_until(lambda: m.stats()["bytes_pooled"] <= 2 << 20, timeout=5)
-        assert m.stats()["bytes_allocated"] == 2 << 20
 
 
 @pytest.mark.parametrize(
@@ -201,6 +199,14 @@ def test_bad_device_values(manager: mp.BufferManager, device: object) -> None:
         manager.empty((2,), device=device)
 
 
+@pytest.mark.parametrize("device", [64, "cuda:64"])
+def test_a_device_that_does_not_exist(manager, device) -> None:
+    # With GPUs: "CUDA device 64 does not exist ... ordinals 0..N-1"; without: no usable GPU.
+    with pytest.raises(mp.NoDeviceError, match=r"device 64 does not exist|GPU"):
+        manager.empty((4,), device=device)
+    assert manager.stats()["live_buffers"] == 0
+
+
 def test_unknown_backend(manager: mp.BufferManager) -> None:
     with pytest.raises(mp.BackendUnavailableError, match="valid backends"):
         manager.empty((2,), device="cpu", backend="carrier-pigeon")
@@ -211,29 +217,6 @@ def test_unknown_backend(manager: mp.BufferManager) -> None:
 def test_host_backend_cannot_take_a_gpu_device(manager: mp.BufferManager) -> None:
     with pytest.raises(mp.BackendUnavailableError, match="host"):
         manager.empty((2,), device=0, backend="host")
-
-
-def test_shutdown_keeps_owner_buffers_valid_until_dropped() -> None:
-    m = mp.Manager()
-    buf = m.full((4,), 2, "int32", device="cpu")
-    pooled = m.zeros((4,), device="cpu")
-    pooled.release()
-    m.shutdown()
-    with pytest.raises(mp.ManagerClosedError):
-        m.empty((2,), device="cpu")
-    with pytest.raises(mp.ManagerClosedError, match="shutting down"):
-        pickle.dumps(buf)
-    # Still this process's memory: libraries holding views of it stay valid.
-    np.testing.assert_array_equal(buf.numpy(), [2, 2, 2, 2])
-    stats = m.stats()
-    assert stats["closed"] is True and stats["bytes_allocated"] == mp.GRANULARITY  # the pooled one is freed
-    buf.release()
-    assert m.stats()["bytes_allocated"] == 0
-
-
-def test_unstarted_manager() -> None:
-    with pytest.raises(mp.ManagerClosedError, match="not started"):
-        mp.BufferManager().empty((2,), device="cpu")
 
 
 def test_unpickle_in_owner_process_shares_memory(manager: mp.BufferManager) -> None:
@@ -278,3 +261,193 @@ def test_device_none_without_gpu_warns_once_and_uses_host(monkeypatch) -> None:
             buf = m.empty((2,))
         assert buf.backend == "host"
         m.empty((2,))  # no second warning (filterwarnings=error would raise)
+
+
+# -- on a GPU (cuda_ipc): library views, pickling in the owner, release --------------
+
+
+def _w_interop(out: Any, q: Any, kind: str) -> None:
+    buf = q.get(timeout=GPU_TIMEOUT)
+    expected = np.arange(buf.size, dtype=np.float32).reshape(buf.shape)
+    written = expected * 2 + 1
+    if kind in ("torch", "torch_dlpack"):
+        import torch
+
+        t = torch.as_tensor(buf, device="cuda") if kind == "torch" else torch.from_dlpack(buf)
+        shape, dtype, ptr = tuple(t.shape), str(t.dtype).removeprefix("torch."), t.data_ptr()
+        same = bool(np.array_equal(t.cpu().numpy(), expected))
+        t.mul_(2).add_(1)
+        torch.cuda.synchronize()
+        del t
+    elif kind == "cupy":
+        import cupy
+
+        a = cupy.asarray(buf)
+        shape, dtype, ptr = tuple(a.shape), str(a.dtype), a.data.ptr
+        same = bool(np.array_equal(cupy.asnumpy(a), expected))
+        a *= 2
+        a += 1
+        cupy.cuda.runtime.deviceSynchronize()
+        del a
+    elif kind == "numba":
+        from numba import cuda
+
+        d = cuda.as_cuda_array(buf)
+        shape, dtype, ptr = tuple(d.shape), str(d.dtype), d.__cuda_array_interface__["data"][0]
+        same = bool(np.array_equal(d.copy_to_host(), expected))
+        d.copy_to_device(written)
+        cuda.synchronize()
+        del d
+    elif kind == "jax":
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+        import jax
+        import jax.dlpack
+
+        x = jax.dlpack.from_dlpack(buf)
+        x.block_until_ready()
+        shape, dtype, ptr = tuple(x.shape), str(x.dtype), x.unsafe_buffer_pointer()
+        same = bool(np.array_equal(np.asarray(x), expected))
+        del x
+        buf.copy_from(written)  # JAX arrays are immutable: write through the buffer instead
+    else:
+        raise ValueError(kind)
+    result = ("view", shape, dtype, int(ptr), buf.ptr, same, bool(np.array_equal(buf.numpy(), written)))
+    buf.release()
+    out.put(result)
+
+
+def _w_released(out: Any, q: Any) -> None:
+    a16, a64 = q.get(timeout=GPU_TIMEOUT)
+    copies = (a16.numpy(), a64.numpy())
+    a16.release()
+    a16.release()  # idempotent
+    outcomes = {}
+    attempts = {
+        "numpy": lambda: a16.numpy(),
+        "ptr": lambda: a16.ptr,
+        "copy_from": lambda: a16.copy_from(copies[0]),
+        "cuda_array_interface": lambda: a16.__cuda_array_interface__,
+        "dlpack": lambda: a16.__dlpack__(),
+        "pickle": lambda: pickle.dumps(a16),
+    }
+    for name, attempt in attempts.items():
+        try:
+            attempt()
+            outcomes[name] = "no error"
+        except mp.BufferReleasedError:
+            outcomes[name] = "BufferReleasedError"
+        except Exception as exc:
+            outcomes[name] = f"{type(exc).__name__}: {exc}"
+    with a64:
+        pass
+    out.put(("released", copies[0], copies[1], a16.released, a64.released, outcomes))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("kind", "module"),
+    [("torch", "torch"), ("torch_dlpack", "torch"), ("cupy", "cupy"), ("numba", "numba.cuda"), ("jax", "jax")],
+)
+def test_library_views_in_worker(manager: mp.BufferManager, reap: list[Any], kind: str, module: str) -> None:
+    require(module)
+    q, out = mp.Queue(), mp.Queue()
+    proc = start_guarded(reap, _w_interop, out, q, kind, device=0)
+    arr = np.arange(8 * 256, dtype=np.float32).reshape(8, 256)
+    buf = manager.from_numpy(arr, device=0)
+    q.put(buf)
+    tag, shape, dtype, view_ptr, buf_ptr, same, written = recv(out, proc, timeout=60)
+    assert tag == "view"
+    assert shape == (8, 256)
+    assert dtype == "float32"
+    assert view_ptr == buf_ptr, f"{kind} view copied the memory instead of aliasing it"
+    assert same, f"{kind} view does not show the buffer's contents"
+    assert written, f"the worker's own buffer does not show the write made through {kind}"
+    np.testing.assert_array_equal(buf.numpy(), arr * 2 + 1)  # seen by the parent
+    join_ok(proc, timeout=GPU_TIMEOUT)
+
+
+@pytest.mark.gpu
+def test_torch_aliases_owner_buffer(manager: mp.BufferManager) -> None:
+    torch = require("torch")
+    arr = np.arange(4 * 64, dtype=np.float32).reshape(4, 64)
+    buf = manager.from_numpy(arr, device=0)
+    t = torch.as_tensor(buf, device="cuda")
+    assert t.data_ptr() == buf.ptr
+    assert tuple(t.shape) == buf.shape and t.dtype == torch.float32
+    assert t.device == torch.device("cuda", 0)
+    t.add_(1)
+    torch.cuda.synchronize()
+    np.testing.assert_array_equal(buf.numpy(), arr + 1)
+    d = torch.from_dlpack(buf)
+    assert d.data_ptr() == buf.ptr and tuple(d.shape) == buf.shape
+    del t, d
+
+
+@pytest.mark.gpu
+def test_unpickle_in_owner_process_sees_same_memory(manager: mp.BufferManager) -> None:
+    arr = np.arange(512, dtype=np.int32)
+    buf = manager.from_numpy(arr, device=0)
+    data = pickle.dumps(buf)
+    copy = pickle.loads(data)
+    assert copy is not buf
+    assert copy.ptr == buf.ptr and copy.device == 0 and copy.shape == buf.shape and copy.dtype == buf.dtype
+    np.testing.assert_array_equal(copy.numpy(), arr)
+    copy.copy_from(arr * 7)
+    np.testing.assert_array_equal(buf.numpy(), arr * 7)
+    assert manager.stats()["leases"] == 1
+    with pytest.raises(mp.DescriptorError):
+        pickle.loads(data)  # one pickling, one receiver
+    copy.release()
+    assert manager.stats()["leases"] == 0
+    np.testing.assert_array_equal(buf.numpy(), arr * 7)  # the owner's buffer is untouched
+
+
+@pytest.mark.gpu
+def test_released_buffer_raises_and_numpy_copies(manager: mp.BufferManager, reap: list[Any]) -> None:
+    a16 = np.linspace(-100, 100, 999).astype(np.float16)  # 1998 bytes: not a multiple of 4
+    a64 = np.array([-(2**62), 2**62, -1, 0, 1, 2**40 + 3], dtype=np.int64)
+    b16 = manager.from_numpy(a16, device=0)
+    b64 = manager.from_numpy(a64, device=0)
+
+    # numpy() is a correct host copy, for both dtypes.
+    c16, c64 = b16.numpy(), b64.numpy()
+    assert c16.dtype == np.float16 and c64.dtype == np.int64
+    np.testing.assert_array_equal(c16, a16)
+    np.testing.assert_array_equal(c64, a64)
+    c64[:] = 0
+    np.testing.assert_array_equal(b64.numpy(), a64)  # a copy, not a view
+
+    # Worker side.
+    q, out = mp.Queue(), mp.Queue()
+    proc = start_guarded(reap, _w_released, out, q, device=0)
+    q.put((b16, b64))
+    tag, w16, w64, released16, released64, outcomes = recv(out, proc, timeout=GPU_TIMEOUT)
+    assert tag == "released"
+    assert w16.dtype == np.float16 and w64.dtype == np.int64
+    np.testing.assert_array_equal(w16, a16)
+    np.testing.assert_array_equal(w64, a64)
+    assert released16 and released64
+    assert outcomes == dict.fromkeys(outcomes, "BufferReleasedError"), outcomes
+    assert set(outcomes) == {"numpy", "ptr", "copy_from", "cuda_array_interface", "dlpack", "pickle"}
+    join_ok(proc, timeout=GPU_TIMEOUT)
+    wait_until(lambda: manager.stats()["leases"] == 0, timeout=10)
+
+    # Owner side: a view taken before release keeps the memory on its own.
+    view = b16.view()
+    b16.release()
+    b16.release()  # idempotent
+    assert b16.released
+    for attempt in (
+        lambda: b16.numpy(),
+        lambda: b16.ptr,
+        lambda: b16.copy_from(a16),
+        lambda: b16.fill(0),
+        lambda: b16.__cuda_array_interface__,
+        lambda: b16.__dlpack__(),
+        lambda: pickle.dumps(b16),
+    ):
+        with pytest.raises(mp.BufferReleasedError):
+            attempt()
+    np.testing.assert_array_equal(view.numpy(), a16)
+    view.release()
+    wait_until(lambda: manager.stats()["pooled_buffers"] == 1, timeout=10)

@@ -1,12 +1,26 @@
-"""Descriptor bytes: round trip, and every kind of corruption is a DescriptorError."""
+"""Descriptors: the bytes that travel for a buffer, and what a bad one does.
+
+In one process: round trip, and every kind of corruption is a
+DescriptorError (unit and property-based tests). Then descriptors that
+reach a worker, each a clear error there: truncated, corrupted, pointed at
+another Manager, naming a lease never taken or a view past its allocation
+(and the Manager intact afterwards, :func:`conftest.assert_intact`: the
+counts are what they were, and it still allocates, shares with a real
+worker and recycles); unpickled a second time; of a Manager that was shut
+down.
+"""
 
 from __future__ import annotations
 
+import io
 import pickle
+import time
 
 import pytest
+from conftest import assert_intact, recv, run_guarded, start, wait_until
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from workers import unpickle_bytes, w_unpickle_and_sum
 
 import gpushare as mp
 from gpushare._descriptor import Descriptor
@@ -135,3 +149,151 @@ def test_mutated_descriptors_are_rejected_or_equal(data: st.DataObject) -> None:
     except mp.DescriptorError:
         return
     assert parsed == make()  # only a no-op mutation may parse
+
+
+# -- descriptors that reach a worker: each a clear error, the Manager intact -----------
+
+
+def tampered(data: bytes, **changes: object) -> bytes:
+    """A pickled buffer with descriptor fields changed and its checksum made valid again."""
+    rebuild, (raw,) = _reduce_of(data)
+    desc = Descriptor.from_bytes(raw)._replace(**changes)
+    return pickle.dumps(_Rebuild(rebuild, desc.to_bytes()))
+
+
+class _Rebuild:
+    def __init__(self, fn, raw) -> None:
+        self.fn, self.raw = fn, raw
+
+    def __reduce__(self):
+        return (self.fn, (self.raw,))
+
+
+def _reduce_of(data: bytes):
+    """(rebuild function, (descriptor bytes,)) from a pickled buffer, without unpickling it."""
+    captured = {}
+
+    class Catch(pickle.Unpickler):
+        def find_class(self, module, name):
+            fn = super().find_class(module, name)
+            if name == "rebuild_buffer":
+
+                def catch(raw):
+                    captured["raw"] = raw
+                    return None
+
+                captured["fn"] = fn
+                return catch
+            return fn
+
+    Catch(io.BytesIO(data)).load()
+    return captured["fn"], (captured["raw"],)
+
+
+def unpickle_twice_and_touch(data, results) -> None:
+    first = pickle.loads(data)  # claims the lease and maps the allocation
+    try:
+        pickle.loads(data)
+    except mp.DescriptorError as exc:
+        results.put(("same process", str(exc), float(first.numpy().sum())))
+    first.release()
+    time.sleep(0.5)  # the release reaches the owner; the mapping stays cached here
+    stale = pickle.loads(data)  # mapping cached: claimed asynchronously, refused by the owner
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            stale.numpy()
+        except mp.DescriptorError as exc:
+            results.put(("refused", str(exc), None))
+            return
+        time.sleep(0.01)
+    results.put(("accepted", None, None))
+
+
+@pytest.mark.parametrize("cut", [1, 50, 200])
+def test_truncated_descriptor_in_a_worker(manager, reap, cut) -> None:
+    buf = manager.full((16,), 1.0, "float32", device="cpu")
+    data = pickle.dumps(buf)
+    _, (raw,) = _reduce_of(data)
+    bad = pickle.dumps(_Rebuild(_reduce_of(data)[0], raw[:-cut]))
+    kind, message = recv(run_guarded(reap, w_unpickle_and_sum, bad))
+    assert kind == "DescriptorError" and ("truncated" in message or "corrupt" in message)
+    assert_intact(manager, reap)
+
+
+@pytest.mark.parametrize("where", [0, 10, 40, -5])
+def test_corrupted_descriptor_in_a_worker(manager, reap, where) -> None:
+    buf = manager.full((16,), 1.0, "float32", device="cpu")
+    fn, (raw,) = _reduce_of(pickle.dumps(buf))
+    flipped = bytearray(raw)
+    flipped[where] ^= 0x5A
+    kind, message = recv(run_guarded(reap, w_unpickle_and_sum, pickle.dumps(_Rebuild(fn, bytes(flipped)))))
+    assert kind == "DescriptorError"
+    assert "corrupt" in message or "magic" in message
+    assert_intact(manager, reap)
+
+
+def test_descriptor_naming_another_manager(manager, reap) -> None:
+    with mp.Manager() as other:
+        theirs = other.full((16,), 1.0, "float32", device="cpu")
+        mine = manager.full((16,), 3.0, "float32", device="cpu")
+        # Our descriptor, pointed at the other Manager's socket (checksum made valid again).
+        bad = tampered(pickle.dumps(mine), address=other._owner.address)
+        kind, message = recv(run_guarded(reap, w_unpickle_and_sum, bad))
+        assert kind == "DescriptorError" and "another Manager" in message
+        assert_intact(other, reap)
+        theirs.release()
+    assert_intact(manager, reap)
+
+
+def test_descriptor_for_a_lease_that_was_never_taken(manager, reap) -> None:
+    buf = manager.full((16,), 1.0, "float32", device="cpu")
+    data = pickle.dumps(buf)
+    _, (raw,) = _reduce_of(data)
+    lease = Descriptor.from_bytes(raw).lease_id
+    kind, message = recv(run_guarded(reap, w_unpickle_and_sum, tampered(data, lease_id=lease + 1000)))
+    assert kind == "DescriptorError" and "unknown" in message
+    assert recv(run_guarded(reap, w_unpickle_and_sum, data)) == ("ok", 16.0)  # the real one still works
+    assert_intact(manager, reap)
+
+
+def test_descriptor_with_a_view_past_its_allocation(manager, reap) -> None:
+    buf = manager.full((16,), 1.0, "float32", device="cpu")
+    data = tampered(pickle.dumps(buf), offset=mp.GRANULARITY - 8)
+    kind, message = recv(run_guarded(reap, w_unpickle_and_sum, data))
+    assert kind == "DescriptorError" and "of a 2097152-byte allocation" in message
+    assert_intact(manager, reap)
+
+
+def test_descriptor_unpickled_twice_is_refused(manager, reap) -> None:
+    buf = manager.full((4,), 1.0, device="cpu")
+    data = pickle.dumps(buf)
+    results = mp.Queue()
+    start(reap, unpickle_bytes, data, results)
+    assert results.get(timeout=30) == ("ok", 4.0)
+    start(reap, unpickle_bytes, data, results)
+    kind, message = results.get(timeout=30)
+    assert kind == "DescriptorError" and "unpickled once" in message
+
+
+def test_a_descriptor_unpickled_twice_in_one_process(manager, reap) -> None:
+    buf = manager.full((4,), 1.0, device="cpu")
+    results = mp.Queue()
+    start(reap, unpickle_twice_and_touch, pickle.dumps(buf), results)
+    kind, message, first_sum = results.get(timeout=30)
+    assert kind == "same process" and "unpickled once" in message
+    assert first_sum == 4.0  # the legitimate copy is unaffected
+    kind, message, _ = results.get(timeout=30)
+    assert kind == "refused" and "unknown" in message
+    wait_until(lambda: manager.stats()["leases"] == 0)
+
+
+def test_descriptor_from_a_closed_manager(reap) -> None:
+    with mp.Manager(release_timeout=0.2) as m:
+        data = pickle.dumps(m.zeros((4,), device="cpu"))
+        with pytest.warns(mp.LeakWarning):
+            m.shutdown()
+    results = mp.Queue()
+    start(reap, unpickle_bytes, data, results)
+    kind, message = results.get(timeout=30)
+    assert kind == "OwnerGoneError" and "exited or shut" in message

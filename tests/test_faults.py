@@ -5,6 +5,13 @@ things: what the user sees (which error, how soon) and what is left (leases,
 pooled memory, server processes, socket directories). The host backend
 runs everywhere, CI included; the CUDA backends run on a GPU machine
 (``--require-gpu``). docs/reliability.md maps each case to its test.
+
+Here: dead and hung consumers, dead producers (their Manager's server and
+socket directories go too), leases never claimed (expiry), and shutdown
+with leases outstanding (leaks, named). Related cases live with their
+concept: a queue whose creator exited in test_queues.py, a dead ring peer in
+test_ring.py, a killed loader worker in test_loader.py, bad descriptors in
+test_descriptor.py.
 """
 
 from __future__ import annotations
@@ -16,9 +23,9 @@ import queue
 import signal
 import time
 
-import numpy as np
 import pytest
-from conftest import BACKENDS, device_for, guarded, recv, wait_until
+from conftest import BACKENDS, device_for, guarded, kill_quietly, recv, start_guarded, wait_until
+from workers import total, w_hold_until_told
 
 import gpushare as mp
 from gpushare._authsocket import process_alive
@@ -30,23 +37,10 @@ N = 1024  # float32 elements per test buffer
 # -- workers (module level: spawn imports this module) ----------------------------------
 
 
-def total(buf) -> float:
-    return float(buf.numpy().astype(np.float64).sum())
-
-
 def w_hold_forever(out, jobs, n) -> None:
     held = [jobs.get(timeout=T) for _ in range(n)]
     out.put(("holding", [total(b) for b in held]))
     time.sleep(T)
-
-
-def w_hold_until_told(out, jobs, control) -> None:
-    buf = jobs.get(timeout=T)
-    out.put(("holding", total(buf)))
-    control.get(timeout=T)
-    out.put(("after", total(buf)))
-    buf.release()
-    out.put(("released",))
 
 
 def w_map_release_and_wait(out, jobs, control) -> None:
@@ -159,56 +153,6 @@ def w_producer(out, consumer_out, backend, how) -> None:
     # "return": exit with the Manager still open and the consumer still holding the buffer
 
 
-def w_drain(out, work, ready) -> None:
-    ready.put("started")
-    got = []
-    try:
-        while True:
-            got.append(work.get(timeout=T))
-    except mp.OwnerGoneError as exc:
-        out.put(("drained", got, str(exc)))
-
-
-def w_put_and_return(out, kind, n) -> None:
-    """Puts n items on a queue its own consumer reads, then returns (exit runs its finalizers)."""
-    work, ready = getattr(mp, kind)(), mp.Queue()
-    consumer = mp.Process(target=guarded, args=(w_drain, out, work, ready))
-    consumer.start()
-    for i in range(n):
-        work.put(("item", i))
-    ready.get(timeout=T)  # a spawned child must have unpickled its queues before their creator goes
-    out.put(("consumer", consumer.pid))
-
-
-def w_feed_slowly(work, ready, n) -> None:
-    ready.put("started")
-    for i in range(n):
-        time.sleep(0.05)
-        work.put(("more", i))
-    work.put(None)
-
-
-def w_drain_until_none(out, work, ready) -> None:
-    ready.put("started")
-    got = []
-    while (item := work.get(timeout=T)) is not None:
-        got.append(item)
-    out.put(("drained", got))
-
-
-def w_put_start_feeder_and_return(out, n) -> None:
-    """Puts one item, leaves a child feeding the same queue, and returns."""
-    work, ready = mp.Queue(), mp.Queue()
-    consumer = mp.Process(target=guarded, args=(w_drain_until_none, out, work, ready))
-    consumer.start()
-    work.put(("first", 0))
-    ready.get(timeout=T)
-    feeder = mp.Process(target=w_feed_slowly, args=(work, ready, n))
-    feeder.start()
-    ready.get(timeout=T)  # both children hold the queue before its creator returns
-    out.put(("pids", consumer.pid, feeder.pid))
-
-
 def w_server_producer(out, weights, backend) -> None:
     """owner="server": allocates the weights, hands them on, then is killed."""
     m = mp.Manager(owner="server")
@@ -221,13 +165,6 @@ def w_server_producer(out, weights, backend) -> None:
 # -- helpers ------------------------------------------------------------------------------
 
 
-def start(reap, fn, out, *args, device=None):
-    proc = mp.Process(target=guarded, args=(fn, out, *args), device=device)
-    proc.start()
-    reap.append(proc)
-    return proc
-
-
 def stopped(pid: int) -> bool:
     """Every thread of ``pid`` is stopped (SIGSTOP took effect)."""
     states = []
@@ -235,13 +172,6 @@ def stopped(pid: int) -> bool:
         with open(f"/proc/{pid}/task/{task}/stat") as f:
             states.append(f.read().rsplit(")", 1)[1].split()[0])
     return all(state in "tT" for state in states)
-
-
-def kill_quietly(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 # -- consumer faults ------------------------------------------------------------------------
@@ -256,8 +186,8 @@ def test_consumer_sigkilled_while_holding_buffers(manager, reap, backend) -> Non
     # still holds a queue's write lock (just after sending) would block that queue.
     victim_jobs, victim_out = mp.Queue(), mp.Queue()
     survivor_jobs, control, out = mp.Queue(), mp.Queue(), mp.Queue()
-    victim = start(reap, w_hold_forever, victim_out, victim_jobs, 2, device=device)
-    start(reap, w_hold_until_told, out, survivor_jobs, control, device=device)
+    victim = start_guarded(reap, w_hold_forever, victim_out, victim_jobs, 2, device=device)
+    start_guarded(reap, w_hold_until_told, out, survivor_jobs, control, device=device)
     victim_jobs.put(a)
     victim_jobs.put(b)
     survivor_jobs.put(a)
@@ -291,7 +221,7 @@ def test_consumer_exits_without_releasing(manager, reap, backend) -> None:
     device = device_for(backend)
     buf = manager.full((N,), 1.0, "float32", device=device, backend=backend)
     jobs, out = mp.Queue(), mp.Queue()
-    proc = start(reap, w_hold_and_return, out, jobs, device=device)
+    proc = start_guarded(reap, w_hold_and_return, out, jobs, device=device)
     jobs.put(buf)
     assert recv(out) == ("holding", 1024.0)
     proc.join(timeout=T)
@@ -308,9 +238,9 @@ def test_a_refused_first_arrival_maps_nothing(manager, reap, backend) -> None:
     buf = manager.full((N,), 2.0, "float32", device=device, backend=backend)
     data = pickle.dumps(buf)
     out = mp.Queue()
-    start(reap, w_unpickle, out, data, device=device)
+    start_guarded(reap, w_unpickle, out, data, device=device)
     assert recv(out) == ("ok", 2.0 * N)
-    start(reap, w_unpickle_refused, out, data, device=device)
+    start_guarded(reap, w_unpickle_refused, out, data, device=device)
     kind, message, mapped = recv(out)
     assert kind == "DescriptorError" and ("unknown" in message or "already claimed" in message)
     assert mapped == (0, 0)
@@ -332,7 +262,7 @@ def test_unclaimed_lease_expires_with_a_warning(reap, backend) -> None:
         buf.release()
         assert m.stats()["pooled_buffers"] == 1  # the expired lease no longer pins the memory
         out = mp.Queue()
-        start(reap, w_unpickle, out, data, device=device)
+        start_guarded(reap, w_unpickle, out, data, device=device)
         kind, message = recv(out)
         assert kind == "DescriptorError" and "unknown" in message
 
@@ -342,8 +272,8 @@ def test_relay_a_to_b_to_c_keeps_the_accounting(manager, reap, backend) -> None:
     device = device_for(backend)
     buf = manager.full((N,), 2.0, "float32", device=device, backend=backend)
     jobs, forward, control, out = mp.Queue(), mp.Queue(), mp.Queue(), mp.Queue()
-    start(reap, w_relay, out, jobs, forward, device=device)
-    start(reap, w_hold_until_told, out, forward, control, device=device)
+    start_guarded(reap, w_relay, out, jobs, forward, device=device)
+    start_guarded(reap, w_hold_until_told, out, forward, control, device=device)
     jobs.put(buf)
     assert sorted([recv(out), recv(out)], key=str) == [("holding", 2048.0), ("relayed",)]
     wait_until(lambda: manager.stats()["leases"] == 1)  # B's lease went back; C holds its own
@@ -358,7 +288,7 @@ def test_relay_a_to_b_to_c_keeps_the_accounting(manager, reap, backend) -> None:
 def test_shutdown_with_outstanding_leases_is_bounded_and_names_them(reap, backend) -> None:
     device = device_for(backend)
     jobs, control, out = mp.Queue(), mp.Queue(), mp.Queue()
-    proc = start(reap, w_touch_when_told, out, jobs, control, device=device)
+    proc = start_guarded(reap, w_touch_when_told, out, jobs, control, device=device)
     m = mp.Manager(release_timeout=0.3)
     jobs.put(m.full((N,), 1.0, "float32", device=device, backend=backend))
     assert recv(out) == ("holding", 1024.0)
@@ -377,7 +307,7 @@ def test_a_hung_mapper_makes_the_owner_leak_rather_than_free(manager, reap, back
     device = device_for(backend)
     buf = manager.full((N,), 5.0, "float32", device=device, backend=backend)
     jobs, control, out = mp.Queue(), mp.Queue(), mp.Queue()
-    proc = start(reap, w_map_release_and_wait, out, jobs, control, device=device)
+    proc = start_guarded(reap, w_map_release_and_wait, out, jobs, control, device=device)
     jobs.put(buf)
     assert recv(out) == ("released", 5.0 * N)
     buf.release()
@@ -406,7 +336,7 @@ def test_a_hung_mapper_makes_the_owner_leak_rather_than_free(manager, reap, back
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_producer_dies_first(reap, backend, how) -> None:
     producer_out, out = mp.Queue(), mp.Queue()
-    producer = start(reap, w_producer, producer_out, out, backend, how, device=device_for(backend))
+    producer = start_guarded(reap, w_producer, producer_out, out, backend, how, device=device_for(backend))
     _, consumer_pid, server_pid, socket_dir = recv(producer_out, waiting_for="the producer's pids")
     try:
         assert os.path.isdir(socket_dir)
@@ -430,45 +360,14 @@ def test_producer_dies_first(reap, backend, how) -> None:
         kill_quietly(server_pid)
 
 
-@pytest.mark.parametrize("kind", ["Queue", "JoinableQueue"])
-def test_a_queue_ends_after_everything_its_exited_creator_put(reap, kind) -> None:
-    out = mp.Queue()
-    producer = start(reap, w_put_and_return, out, kind, 3)
-    _, consumer_pid = recv(out)
-    try:
-        producer.join(timeout=T)
-        assert producer.exitcode == 0  # it did not hang at exit joining its consumer
-        _, got, message = recv(out)
-        assert got == [("item", 0), ("item", 1), ("item", 2)]
-        assert f"pid {producer.pid}" in message and "exited" in message
-    finally:
-        kill_quietly(consumer_pid)
-
-
-def test_a_queue_still_fed_by_others_outlives_its_exited_creator(reap) -> None:
-    # The creator's end-of-queue marker must not cut off items that other living
-    # processes keep putting (the drop-in promise for multi-producer queues).
-    out = mp.Queue()
-    creator = start(reap, w_put_start_feeder_and_return, out, 20)
-    _, consumer_pid, feeder_pid = recv(out, waiting_for="the creator")
-    try:
-        creator.join(timeout=T)  # it exits (joining its children) while the feeder still puts
-        assert creator.exitcode == 0
-        _, got = recv(out, waiting_for="the consumer")
-        assert got == [("first", 0)] + [("more", i) for i in range(20)]
-    finally:
-        kill_quietly(consumer_pid)
-        kill_quietly(feeder_pid)
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_server_owned_buffers_outlive_a_killed_producer(reap, backend) -> None:
     device = device_for(backend)
     weights, producer_out, out, control = mp.Queue(), mp.Queue(), mp.Queue(), mp.Queue()
-    producer = start(reap, w_server_producer, producer_out, weights, backend, device=device)
+    producer = start_guarded(reap, w_server_producer, producer_out, weights, backend, device=device)
     _, server_pid = recv(producer_out, waiting_for="the producer")
     try:
-        start(reap, w_hold_until_told, out, weights, control, device=device)
+        start_guarded(reap, w_hold_until_told, out, weights, control, device=device)
         assert recv(out) == ("holding", 7.0 * N)
         os.kill(producer.pid, signal.SIGKILL)
         producer.join(timeout=T)
@@ -481,36 +380,6 @@ def test_server_owned_buffers_outlive_a_killed_producer(reap, backend) -> None:
         wait_until(lambda: not process_alive(server_pid, sentinel=False), timeout=5.0)
     finally:
         kill_quietly(server_pid)
-
-
-def test_server_mode_manager_api(reap) -> None:
-    with mp.Manager(owner="server", release_timeout=0.5) as m:
-        assert m.owner == "server"
-        buf = m.full((N,), 4.0, "float32", device="cpu")
-        assert total(buf) == 4.0 * N
-        stats = m.stats()
-        assert stats["live_buffers"] == 1 and stats["leases"] == 1 and stats["consumer_pids"] == [os.getpid()]
-        jobs, control, out = mp.Queue(), mp.Queue(), mp.Queue()
-        start(reap, w_hold_until_told, out, jobs, control)
-        jobs.put(buf)
-        assert recv(out) == ("holding", 4.0 * N)
-        buf.release()
-        wait_until(lambda: m.stats()["leases"] == 1)  # the worker's
-        control.put("go")
-        assert recv(out) == ("after", 4.0 * N)
-        assert recv(out) == ("released",)
-        wait_until(lambda: m.stats()["pooled_buffers"] == 1)
-        assert m.trim() == mp.GRANULARITY
-        kept = m.zeros((4,), "int64", device="cpu")
-    with pytest.raises(mp.OwnerGoneError, match="Manager shut down"):
-        kept.numpy()
-    with pytest.raises(mp.ManagerClosedError, match="shut down"):
-        m.empty((4,), device="cpu")
-
-
-def test_owner_mode_is_checked() -> None:
-    with pytest.raises(ValueError, match="owner='thread'; valid: 'process', 'server'"):
-        mp.BufferManager(owner="thread")
 
 
 def test_a_dead_owners_socket_directory_is_removed_only_when_stale(tmp_path, monkeypatch) -> None:

@@ -5,18 +5,24 @@ layer, top first; a line starting with a space continues the description above i
 the picture and the code cannot drift apart. Every ``import`` and ``from ... import`` in
 every module of the package counts, at module level and inside functions alike (those
 under ``if TYPE_CHECKING:`` too: they name the layer a module depends on).
+
+Also the test suite's own rule: a helper is defined once, in conftest.py,
+in workers.py (worker targets several files start) or in the one test file
+that uses it, never copied into a second test file.
 """
 
 from __future__ import annotations
 
 import ast
 import re
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "gpushare"
+TESTS = ROOT / "tests"
 DESIGN = ROOT / "docs" / "design.md"
 
 
@@ -171,3 +177,34 @@ def test_function_level_imports_count(tmp_path: Path) -> None:
     path.write_text(source, encoding="utf-8")
     known = {"gpushare._a", "gpushare._b", "gpushare._c"}
     assert imports_of("gpushare._a", path, known) == {"gpushare._b", "gpushare._c"}
+
+
+# -- the test suite: one home per helper ---------------------------------------------------
+
+
+def helpers_of(path: Path) -> dict[str, bool]:
+    """The module-level functions of ``path`` other than tests and pytest hooks, each with
+    whether it is a fixture."""
+    found = {}
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not node.name.startswith(("test_", "pytest_")):
+            marks = [ast.unparse(d.func if isinstance(d, ast.Call) else d) for d in node.decorator_list]
+            found[node.name] = "pytest.fixture" in marks
+    return found
+
+
+def test_no_helper_is_defined_in_two_test_files() -> None:
+    where: dict[str, list[str]] = defaultdict(list)
+    fixture: dict[tuple[str, str], bool] = {}
+    for path in [*sorted(TESTS.glob("test_*.py")), TESTS / "conftest.py", TESTS / "workers.py"]:
+        for name, is_fixture in helpers_of(path).items():
+            where[name].append(path.name)
+            fixture[path.name, name] = is_fixture
+    copies = {
+        name: files
+        for name, files in where.items()
+        if len(files) > 1
+        # one test file overriding a conftest fixture (test_ray.py's manager) is pytest's design, not a copy
+        and not (len(files) == 2 and "conftest.py" in files and all(fixture[f, name] for f in files))
+    }
+    assert copies == {}, f"defined in more than one file (keep one, in conftest.py if shared): {copies}"

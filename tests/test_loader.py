@@ -3,11 +3,14 @@
 Every loader here has a ``timeout`` so a lost batch fails instead of
 hanging; workers are joined (and terminated past a bound) when an epoch
 ends, and the tests check that they are gone.
+
+The PyTorch adapter (``gpushare.torch``) is tested in test_torch.py: it
+needs torch at import, and every loader worker started here imports this
+module to unpickle its dataset, which must not cost a torch import.
 """
 
 from __future__ import annotations
 
-import gc
 import os
 import signal
 import subprocess
@@ -15,14 +18,12 @@ import sys
 import textwrap
 import time
 from collections import namedtuple
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from conftest import ROOT, subprocess_env, wait_until
+from conftest import ROOT, all_gone, no_leases, subprocess_env, wait_until
 
 import gpushare as mp
-from gpushare import _authsocket
 
 # -- datasets (module level: spawn pickles them by reference) --------------------------------
 
@@ -83,26 +84,11 @@ def pair_collate(samples: list[tuple[np.ndarray, int, str]], writer: mp.SlotWrit
     return Pair(images, np.array([label for _, label, _ in samples], np.int64))
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[mp.BufferManager]:
-    with mp.Manager(owner="server", release_timeout=2.0) as m:
-        yield m
-
-
 def loader(dataset: object, manager: mp.BufferManager, **options: object) -> mp.SlotLoader:
     options.setdefault("batch_size", 4)
     options.setdefault("num_workers", 2)
     options.setdefault("slots", 2)
     return mp.SlotLoader(dataset, device="cpu", timeout=60, manager=manager, **options)  # type: ignore[arg-type]
-
-
-def all_gone(pids: list[int]) -> bool:
-    return not any(_authsocket.process_alive(pid, sentinel=False) for pid in pids)
-
-
-def no_leases(manager: mp.BufferManager) -> bool:
-    gc.collect()
-    return manager.stats()["leases"] == 0
 
 
 # -- order, zero copy, bounded memory ------------------------------------------------------

@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import fill_behind_a_running_kernel, wait_until
+from conftest import fill_behind_a_running_kernel, recv, require, start, start_guarded, wait_until
 
 import gpushare as mp
 from gpushare import _backends
@@ -106,13 +106,6 @@ def consume_until_error(rings, results) -> None:
 
 
 # -- helpers -------------------------------------------------------------------------
-
-
-def start(reap, target, *args, **kwargs):
-    proc = mp.Process(target=target, args=args, **kwargs)
-    proc.start()
-    reap.append(proc)
-    return proc
 
 
 def produce(ring, steps, first=0, timeout=30) -> None:
@@ -605,17 +598,7 @@ def test_ring_on_gpu_in_order(manager, reap) -> None:
     assert ptrs_per_slot == {0: 1, 1: 1, 2: 1}
 
 
-def _report_errors(fn, ring, results, *args) -> None:
-    """Run a GPU worker; send its traceback instead of dying silently."""
-    try:
-        fn(ring, results, *args)
-    except BaseException:
-        import traceback
-
-        results.put(("error", traceback.format_exc()))
-
-
-def _gpu_read_published(ring, results, how) -> None:
+def _gpu_read_published(results, ring, how) -> None:
     import torch
 
     torch.zeros(1, device="cuda")
@@ -628,7 +611,7 @@ def _gpu_read_published(ring, results, how) -> None:
         results.put(("seen", float(values.min()), float(values.max())))
 
 
-def _gpu_slow_reader(ring, results) -> None:
+def _gpu_slow_reader(results, ring) -> None:
     import torch
 
     torch.zeros(1, device="cuda")
@@ -647,56 +630,40 @@ def _gpu_slow_reader(ring, results) -> None:
             return
 
 
-def _require_torch():
-    """pytest.importorskip, without letting an import-time warning become an error."""
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return pytest.importorskip("torch")
-
-
-def _gpu_result(results, timeout=120):
-    message = results.get(timeout=timeout)
-    if message[0] == "error":
-        pytest.fail(f"worker failed:\n{message[1]}")
-    return message
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("how", ["numpy", "torch_dlpack"])
 def test_ring_consumer_waits_for_a_producer_kernel_still_running_at_publish(manager, reap, how) -> None:
     """Per-slot events: publish records the slot's event, the consumer orders after it
     (no device-wide synchronize anywhere)."""
-    torch = _require_torch()
+    torch = require("torch")
     results = mp.Queue()
     with manager.ring((1 << 22,), "float32", device=0, slots=1, consumers=1) as ring:
-        start(reap, _report_errors, _gpu_read_published, ring, results, how, device=0)
-        assert _gpu_result(results) == ("ready",)
+        start_guarded(reap, _gpu_read_published, results, ring, how, device=0)
+        assert recv(results, timeout=120) == ("ready",)
         buf = ring.acquire(timeout=30)
         t = torch.from_dlpack(buf)
         fill_behind_a_running_kernel(torch, t, 7.0)  # still running at publish()
         del t
         ring.publish(buf, timeout=30)
-        assert _gpu_result(results, 60) == ("seen", 7.0, 7.0), "consumer read before the producer's kernel finished"
+        assert recv(results, timeout=60) == ("seen", 7.0, 7.0), "consumer read before the producer's kernel finished"
 
 
 @pytest.mark.gpu
 def test_ring_producer_write_waits_for_a_consumer_read_still_running_at_release(manager, reap) -> None:
     """The consumer's release event: the producer's next write of the slot (default
     stream) runs after the consumer's queued read, though neither side synchronized."""
-    torch = _require_torch()
+    torch = require("torch")
     results = mp.Queue()
     with manager.ring((1 << 22,), "float32", device=0, slots=1, consumers=1) as ring:
-        start(reap, _report_errors, _gpu_slow_reader, ring, results, device=0)
+        start_guarded(reap, _gpu_slow_reader, results, ring, device=0)
         for _ in range(4):
             buf = ring.acquire(timeout=60)
             torch.from_dlpack(buf).fill_(1.0)
             ring.publish(buf, timeout=60)
-            assert _gpu_result(results)[0] == "released"
+            assert recv(results, timeout=120)[0] == "released"
             again = ring.acquire(timeout=60)  # the same slot: our stream waits on the consumer's release event
             torch.from_dlpack(again).fill_(2.0)
-            tag, low, high, running = _gpu_result(results)
+            tag, low, high, running = recv(results, timeout=120)
             again.release()  # not published: free again
             assert tag == "copied"
             assert (low, high) == (1.0, 1.0), "the producer overwrote the slot under the consumer's read"

@@ -1,6 +1,8 @@
-"""Security: only authenticated peers are served, nothing is unpickled before
-authentication, sockets are private, and (on a GPU) a buffer's handle reaches
-that buffer and nothing next to it. docs/security.md states the trust model."""
+"""Security: only authenticated peers are served (a process with the wrong
+authkey included), nothing is unpickled before authentication, sockets are
+private, and (on a GPU) a buffer's handle reaches that buffer and nothing
+next to it, and each allocation is its own 2 MiB. docs/security.md states
+the trust model."""
 
 from __future__ import annotations
 
@@ -11,9 +13,11 @@ import stat
 import struct
 import time
 import traceback
+from typing import Any
 
 import pytest
-from conftest import wait_until
+from conftest import GPU_TIMEOUT, MiB, join_ok, recv, start_guarded, wait_until
+from workers import unpickle_bytes
 
 import gpushare as mp
 from gpushare import _cuda
@@ -71,6 +75,19 @@ def test_owner_never_unpickles_from_an_unauthenticated_peer(manager, reap, tmp_p
     proc.start()
     reap.append(proc)
     assert out.get(timeout=60) == 16.0
+
+
+def test_wrong_authkey_is_refused(manager, reap) -> None:
+    buf = manager.zeros((4,), device="cpu")
+    desc = pickle.dumps(buf)
+    results = mp.Queue()
+    proc = mp.Process(target=unpickle_bytes, args=(desc, results))
+    proc.authkey = b"not the manager's key"
+    proc.start()
+    reap.append(proc)
+    kind, message = results.get(timeout=30)
+    assert kind == "OwnerGoneError" and "authentication" in message
+    assert manager.stats()["consumers"] == 0
 
 
 def test_ring_never_unpickles_from_an_unauthenticated_peer(manager, tmp_path) -> None:
@@ -142,3 +159,29 @@ def test_a_handle_reaches_its_own_2mib_and_nothing_next_to_it(manager, reap, bac
     assert not past_mapped  # B (or anything else) is not reachable through A's mapping
     wait_until(lambda: manager.stats()["leases"] == 0)
     b.release()
+
+
+def _w_address_range(out: Any, q: Any) -> None:
+    for _ in range(2):
+        buf = q.get(timeout=GPU_TIMEOUT)
+        base, size = _cuda.address_range(buf.ptr, buf.device)
+        out.put(("range", buf.nbytes, buf.ptr, base, size))
+        buf.release()
+
+
+@pytest.mark.gpu
+def test_allocations_are_2mib_isolated(manager: mp.BufferManager, reap: list[Any]) -> None:
+    assert mp.GRANULARITY == 2 * MiB
+    q, out = mp.Queue(), mp.Queue()
+    proc = start_guarded(reap, _w_address_range, out, q, device=0)
+    small = manager.empty((1000,), dtype="uint8", device=0)
+    big = manager.empty((3 * MiB,), dtype="uint8", device=0)
+    for buf, rounded in ((small, 2 * MiB), (big, 4 * MiB)):
+        assert _cuda.address_range(buf.ptr, 0) == (buf.ptr, rounded)
+        q.put(buf)
+        tag, nbytes, ptr, base, size = recv(out, proc, timeout=GPU_TIMEOUT)
+        assert tag == "range"
+        assert nbytes == buf.nbytes
+        assert base == ptr, "the mapped pointer is not the base of its allocation"
+        assert size == rounded, f"a worker mapped {size} bytes for a {buf.nbytes}-byte buffer"
+    join_ok(proc, timeout=GPU_TIMEOUT)

@@ -7,19 +7,16 @@ backend (CPU tensors viewing shared memory) wherever torch is; the
 
 from __future__ import annotations
 
-import gc
 import os
 import signal
 import time
-from collections.abc import Iterator
 
 import pytest
-from conftest import wait_until
+from conftest import all_gone, no_leases, wait_until
 
 torch = pytest.importorskip("torch")
 
 import gpushare as mp  # noqa: E402
-from gpushare import _authsocket  # noqa: E402
 from gpushare.torch import DataLoader  # noqa: E402
 
 # -- datasets (module level: spawn pickles them by reference) --------------------------------
@@ -58,21 +55,6 @@ class Mixed(torch.utils.data.Dataset):  # type: ignore[misc]
 
 def sum_collate(samples: list[tuple[torch.Tensor, int, str]]) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.stack([s[0] for s in samples]).sum(dim=1), torch.tensor([s[1] for s in samples])
-
-
-def all_gone(pids: list[int]) -> bool:
-    return not any(_authsocket.process_alive(pid, sentinel=False) for pid in pids)
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[mp.BufferManager]:
-    with mp.Manager(owner="server", release_timeout=2.0) as m:
-        yield m
-
-
-def no_leases(manager: mp.BufferManager) -> bool:
-    gc.collect()
-    return manager.stats()["leases"] == 0
 
 
 # -- host backend (wherever torch is) --------------------------------------------------------

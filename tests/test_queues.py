@@ -1,0 +1,294 @@
+"""Queue and JoinableQueue: buffers and ordinary items through gpushare's queues.
+
+A buffer put on a queue is pickled in put(), in the caller (so releasing it
+right after is safe), and travels as its descriptor; what ``get()`` returns
+is the same memory. Also here: ``empty()`` and timeouts, a queue whose
+creator exited (``get()`` ends with ``OwnerGoneError`` after every item the
+creator put, and not while others still feed it), and on a GPU the stream
+ordering a buffer carries (its consumer waits for the producer's kernel).
+
+Every worker is a spawned gpushare Process; every wait has a timeout and
+the ``reap`` fixture kills survivors.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import (
+    GPU_TIMEOUT,
+    fill_behind_a_running_kernel,
+    guarded,
+    join_ok,
+    kill_quietly,
+    recv,
+    require,
+    start,
+    start_guarded,
+    wait_until,
+)
+from workers import echo_sum
+
+import gpushare as mp
+
+T = 60  # seconds any single wait in a worker may take
+
+
+# -- workers (module level: spawn pickles them by reference) ---------------------------
+
+
+def write_back(jobs, results) -> None:
+    buf = jobs.get(timeout=30)
+    seen = buf.numpy().copy()
+    buf.copy_from(np.arange(buf.size, dtype=buf.dtype).reshape(buf.shape) * 2)
+    results.put(seen)
+    buf.release()
+    results.put("released")
+
+
+def echo_items(jobs, results, count) -> None:
+    for _ in range(count):
+        item = jobs.get(timeout=30)
+        if isinstance(item, mp.Buffer):
+            item = ("buffer", float(item.numpy().sum()))
+        results.put(item)
+
+
+def w_drain(out, work, ready) -> None:
+    ready.put("started")
+    got = []
+    try:
+        while True:
+            got.append(work.get(timeout=T))
+    except mp.OwnerGoneError as exc:
+        out.put(("drained", got, str(exc)))
+
+
+def w_put_and_return(out, kind, n) -> None:
+    """Puts n items on a queue its own consumer reads, then returns (exit runs its finalizers)."""
+    work, ready = getattr(mp, kind)(), mp.Queue()
+    consumer = mp.Process(target=guarded, args=(w_drain, out, work, ready))
+    consumer.start()
+    for i in range(n):
+        work.put(("item", i))
+    ready.get(timeout=T)  # a spawned child must have unpickled its queues before their creator goes
+    out.put(("consumer", consumer.pid))
+
+
+def w_feed_slowly(work, ready, n) -> None:
+    ready.put("started")
+    for i in range(n):
+        time.sleep(0.05)
+        work.put(("more", i))
+    work.put(None)
+
+
+def w_drain_until_none(out, work, ready) -> None:
+    ready.put("started")
+    got = []
+    while (item := work.get(timeout=T)) is not None:
+        got.append(item)
+    out.put(("drained", got))
+
+
+def w_put_start_feeder_and_return(out, n) -> None:
+    """Puts one item, leaves a child feeding the same queue, and returns."""
+    work, ready = mp.Queue(), mp.Queue()
+    consumer = mp.Process(target=guarded, args=(w_drain_until_none, out, work, ready))
+    consumer.start()
+    work.put(("first", 0))
+    ready.get(timeout=T)
+    feeder = mp.Process(target=w_feed_slowly, args=(work, ready, n))
+    feeder.start()
+    ready.get(timeout=T)  # both children hold the queue before its creator returns
+    out.put(("pids", consumer.pid, feeder.pid))
+
+
+def _w_ordered_read(out: Any, q: Any, how: str) -> None:
+    if how == "torch_dlpack":
+        import torch
+
+        torch.zeros(1, device="cuda")
+    elif how == "cupy_cai":
+        import cupy
+
+        cupy.zeros(1)
+    out.put(("ready",))
+    buf = q.get(timeout=GPU_TIMEOUT)
+    if how == "numpy":
+        values = buf.numpy()
+    elif how == "torch_dlpack":
+        values = torch.from_dlpack(buf).cpu().numpy()  # its stream waits on the ready event
+    else:
+        values = cupy.asnumpy(cupy.asarray(buf))  # CAI v3: CuPy orders after the given stream
+    out.put(("seen", float(values.min()), float(values.max())))
+    buf.release()
+
+
+# -- buffers through a queue -----------------------------------------------------------
+
+
+def test_values_cross_both_ways(manager, reap) -> None:
+    src = np.arange(12, dtype=np.float32).reshape(3, 4)
+    buf = manager.from_numpy(src, device="cpu")
+    jobs, results = mp.Queue(), mp.Queue()
+    start(reap, write_back, jobs, results)
+    jobs.put(buf)
+    np.testing.assert_array_equal(results.get(timeout=30), src)  # parent -> worker
+    assert results.get(timeout=30) == "released"
+    np.testing.assert_array_equal(buf.numpy(), src * 2)  # worker -> parent, same memory
+    wait_until(lambda: manager.stats()["leases"] == 0)
+
+
+def test_fan_out_to_four_workers(manager, reap) -> None:
+    buf = manager.full((64, 3, 8, 8), 0.5, dtype="float16", device="cpu")
+    jobs, results = mp.Queue(), mp.Queue()
+    for _ in range(4):
+        start(reap, echo_sum, jobs, results)
+    for _ in range(4):
+        jobs.put(buf)
+    answers = [results.get(timeout=30) for _ in range(4)]
+    assert len({pid for pid, *_ in answers}) == 4
+    assert all(
+        total == 0.5 * buf.size and shape == (64, 3, 8, 8) and dt == "float16" for _, total, shape, dt in answers
+    )
+    wait_until(lambda: manager.stats()["leases"] == 0)
+    assert manager.stats()["bytes_allocated"] == mp.GRANULARITY  # one allocation, no copies
+
+
+def test_put_then_release_is_safe(manager, reap) -> None:
+    # multiprocessing.Queue would pickle later, in a feeder thread, after release().
+    buf = manager.full((4,), 2.0, device="cpu")
+    jobs, results = mp.Queue(), mp.Queue()
+    start(reap, echo_sum, jobs, results)
+    jobs.put(buf)
+    buf.release()
+    assert results.get(timeout=30)[1] == 8.0
+
+
+def test_items_shaped_like_a_queued_buffer_arrive_as_themselves(manager, reap) -> None:
+    # A Buffer crosses a gpushare queue as its pickle, which get() reads without the
+    # unpickler; bytes, and tuples of bytes, that look like that pickle (or are it)
+    # must come out of get() as they went in.
+    from gpushare._reduction import queue_pickle
+
+    buf = manager.full((4,), 2.0, device="cpu")
+    looks_like = queue_pickle(manager.full((4,), 1.0, device="cpu"))  # a real one, sent as bytes
+    items = [
+        looks_like,
+        (looks_like,),
+        looks_like[:-3] + b"\x85R.",
+        b"\x80\x05" + b"\x85R.",
+        ("buffer", 8.0),
+    ]
+    jobs, results = mp.Queue(), mp.Queue()
+    start(reap, echo_items, jobs, results, len(items) + 1)
+    for item in items[:-1]:
+        jobs.put(item)
+    jobs.put(buf)
+    buf.release()
+    assert [results.get(timeout=30) for _ in items] == items
+    local = mp.Queue()  # and in the putting process
+    local.put(looks_like)
+    assert local.get(timeout=5) == looks_like
+
+
+# -- items, empty() and timeouts -------------------------------------------------------
+
+
+def test_put_of_unpicklable_item_raises_in_caller() -> None:
+    q = mp.Queue()
+    with pytest.raises(Exception, match="pickle"):
+        q.put(lambda: None)
+    jq = mp.JoinableQueue()
+    jq.put(1)
+    assert jq.get(timeout=5) == 1
+    jq.task_done()
+    jq.join()
+
+
+def test_queue_empty_while_another_thread_waits_in_get() -> None:
+    # The queue polls its pipe with one poll object per process; a thread asking empty()
+    # while another waits in get() polls it at the same time, which must still answer.
+    q = mp.Queue()
+    got: list[object] = []
+    waiter = threading.Thread(target=lambda: got.append(q.get(timeout=T)))
+    waiter.start()
+    for _ in range(300):
+        assert q.empty()
+        time.sleep(0.001)
+    q.put("item")
+    waiter.join(timeout=T)
+    assert got == ["item"]
+
+
+def test_queue_get_timeout_is_still_queue_empty() -> None:
+    q = mp.Queue()
+    with pytest.raises(queue.Empty):
+        q.get(timeout=0.05)
+    with pytest.raises(queue.Empty):
+        q.get(block=False)
+
+
+# -- a queue whose creator exited ------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["Queue", "JoinableQueue"])
+def test_a_queue_ends_after_everything_its_exited_creator_put(reap, kind) -> None:
+    out = mp.Queue()
+    producer = start_guarded(reap, w_put_and_return, out, kind, 3)
+    _, consumer_pid = recv(out)
+    try:
+        producer.join(timeout=T)
+        assert producer.exitcode == 0  # it did not hang at exit joining its consumer
+        _, got, message = recv(out)
+        assert got == [("item", 0), ("item", 1), ("item", 2)]
+        assert f"pid {producer.pid}" in message and "exited" in message
+    finally:
+        kill_quietly(consumer_pid)
+
+
+def test_a_queue_still_fed_by_others_outlives_its_exited_creator(reap) -> None:
+    # The creator's end-of-queue marker must not cut off items that other living
+    # processes keep putting (the drop-in promise for multi-producer queues).
+    out = mp.Queue()
+    creator = start_guarded(reap, w_put_start_feeder_and_return, out, 20)
+    _, consumer_pid, feeder_pid = recv(out, waiting_for="the creator")
+    try:
+        creator.join(timeout=T)  # it exits (joining its children) while the feeder still puts
+        assert creator.exitcode == 0
+        _, got = recv(out, waiting_for="the consumer")
+        assert got == [("first", 0)] + [("more", i) for i in range(20)]
+    finally:
+        kill_quietly(consumer_pid)
+        kill_quietly(feeder_pid)
+
+
+# -- GPU: the consumer orders after the producer's stream ------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("how", ["numpy", "torch_dlpack", "cupy_cai"])
+def test_consumer_waits_for_a_long_running_producer_kernel(
+    manager: mp.BufferManager, reap: list[Any], how: str
+) -> None:
+    torch = require("torch")
+    if how == "cupy_cai":
+        require("cupy")
+    q, out = mp.Queue(), mp.Queue()
+    proc = start_guarded(reap, _w_ordered_read, out, q, how, device=0)
+    assert recv(out, proc, timeout=120) == ("ready",)
+    buf = manager.zeros((1 << 22,), "float32", device=0)
+    t = torch.from_dlpack(buf)
+    fill_behind_a_running_kernel(torch, t, 7.0)  # still running at put() time
+    q.put(buf)  # no synchronize: the ready event recorded at pickling carries the ordering
+    tag, low, high = recv(out, proc, timeout=60)
+    assert tag == "seen"
+    assert (low, high) == (7.0, 7.0), f"consumer read before the producer's kernel finished ({how})"
+    del t
+    join_ok(proc, timeout=GPU_TIMEOUT)
