@@ -19,8 +19,8 @@ Protocol of this layer:
 * Work on a device runs inside that device's *primary* context, pushed
   for the call and popped after, so the caller's current context (torch's,
   CuPy's) is left as it was and any thread may call in. The per-handoff
-  calls (event record and wait, stream and event queries) push only when
-  that context is not already current on the thread.
+  calls (event record and wait, stream and event queries, asynchronous
+  copies) push only when that context is not already current on the thread.
 * Handles cross the process boundary as bytes. cuda-bindings changed the
   fields of ``CUipcMemHandle`` between releases, so bytes are copied
   through the struct's address with ctypes, which works on 12.x and 13.x.
@@ -40,8 +40,8 @@ The modules, by concern:
   caches, queries), which the other modules read from it at call time.
 * :mod:`._queries`: the GIL-keeping queries, imported when the driver loads.
 * :mod:`._memory`: device allocations, legacy IPC handles, VMM, IPC pools.
-* :mod:`._copies`: copies, done before they return.
-* :mod:`._streams`: streams, interprocess events, their queries.
+* :mod:`._copies`: synchronous and asynchronous copies, page-locked host memory.
+* :mod:`._streams`: streams, events (interprocess and plain), their queries.
 
 Everything public is re-exported here, and the rest of gpushare calls it as
 ``gpushare._cuda.<name>``.
@@ -50,9 +50,16 @@ Everything public is re-exported here, and the rest of gpushare calls it as
 from __future__ import annotations
 
 from ._copies import (
+    host_alloc,
+    host_free,
+    host_register,
+    host_unregister,
     memcpy,
+    memcpy_async,
+    memcpy_batch_async,
     memcpy_dtoh,
     memcpy_htod,
+    memcpy_htod_async,
     memset,
     memset32,
 )
@@ -96,6 +103,7 @@ from ._memory import (
     vmm_import,
 )
 from ._streams import (
+    event_create,
     event_create_ipc,
     event_destroy,
     event_done,
@@ -103,6 +111,7 @@ from ._streams import (
     event_record,
     event_synchronize,
     stream_create,
+    stream_destroy,
     stream_idle,
     stream_synchronize,
     stream_wait_event,
@@ -120,6 +129,7 @@ __all__ = [
     "device_total_memory",
     "device_uuid",
     "driver_version",
+    "event_create",
     "event_create_ipc",
     "event_destroy",
     "event_done",
@@ -127,6 +137,10 @@ __all__ = [
     "event_record",
     "event_synchronize",
     "format_uuid",
+    "host_alloc",
+    "host_free",
+    "host_register",
+    "host_unregister",
     "initialized",
     "ipc_close",
     "ipc_get_handle",
@@ -136,8 +150,11 @@ __all__ = [
     "mem_free",
     "mem_info",
     "memcpy",
+    "memcpy_async",
+    "memcpy_batch_async",
     "memcpy_dtoh",
     "memcpy_htod",
+    "memcpy_htod_async",
     "memset",
     "memset32",
     "on_device",
@@ -151,6 +168,7 @@ __all__ = [
     "pool_import_pointer",
     "pool_trim",
     "stream_create",
+    "stream_destroy",
     "stream_idle",
     "stream_synchronize",
     "stream_wait_event",

@@ -287,12 +287,13 @@ def _enter(ordinal: int) -> tuple[Any, bool]:
     """``(driver, pushed)``: device ``ordinal``'s primary context is current on this
     thread; ``pushed`` says whether it was pushed here (the caller pops it after).
 
-    The per-handoff calls (event record, query and wait; stream query) come through
-    here instead of :class:`on_device`: most of the time the device's primary
-    context is already current on the calling thread (make_current at worker
-    start-up, torch's or CuPy's own set-up, or an earlier _enter on a thread that
-    had none), and then one cuCtxGetCurrent replaces a push, a pop and a context
-    manager, a few microseconds per call that every handoff paid.
+    The per-handoff calls (event record, query and wait; stream query; the
+    asynchronous copies) come through here instead of :class:`on_device`: most of
+    the time the device's primary context is already current on the calling thread
+    (make_current at worker start-up, torch's or CuPy's own set-up, or an earlier
+    _enter on a thread that had none), and then one cuCtxGetCurrent replaces a
+    push, a pop and a context manager, a few microseconds per call that every
+    handoff paid.
     """
     driver = _bindings if _bindings is not None else _load()
     key = _primary_ints.get(ordinal)

@@ -2,7 +2,8 @@
 
 An interprocess event (:func:`event_create_ipc`) is created once, its 64-byte
 handle opened once by each consumer (:func:`event_open`, about 0.3 ms), and
-then recorded and waited on at every handoff. The per-handoff calls
+then recorded and waited on at every handoff. A plain event
+(:func:`event_create`) orders work within this process. The per-handoff calls
 (:func:`event_record`, :func:`stream_wait_event`, :func:`stream_idle`,
 :func:`event_done`) enter the device's context through
 :func:`~gpushare._cuda._driver._enter`; the two queries go first through the
@@ -42,6 +43,21 @@ def event_create_ipc(ordinal: int) -> tuple[Any, bytes]:
             driver.cuEventDestroy(event)
             raise
     return event, ctypes.string_at(handle.getPtr(), IPC_HANDLE_SIZE)
+
+
+def event_create(ordinal: int) -> Any:
+    """A plain event on ``ordinal`` (``cuEventCreate`` with ``CU_EVENT_DISABLE_TIMING``).
+
+    Orders work within this process: record it after a copy (:func:`event_record`),
+    then wait for it on another stream (:func:`stream_wait_event`), ask
+    (:func:`event_done`) or block (:func:`event_synchronize`). Cheap (an
+    interprocess cuEventCreate measured 1.7 us on an H200), yet create once and
+    record often. Destroy with :func:`event_destroy`.
+    To order work in another process, use :func:`event_create_ipc`.
+    """
+    with on_device(ordinal) as driver:
+        flags = int(driver.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+        return _check("cuEventCreate", driver.cuEventCreate(flags))
 
 
 def event_record(event: Any, ordinal: int, stream: int = 0) -> None:
@@ -159,6 +175,18 @@ def stream_create(ordinal: int) -> int:
     with on_device(ordinal) as driver:
         stream = _check("cuStreamCreate", driver.cuStreamCreate(1))  # CU_STREAM_NON_BLOCKING
     return int(stream)
+
+
+def stream_destroy(stream: int, ordinal: int) -> None:
+    """Destroy a stream from :func:`stream_create` (``cuStreamDestroy``).
+
+    Work already queued on it still runs; the handle must not be used again (the
+    driver may hand the same int to a later stream). Never destroy the default
+    streams (0, 1, 2) or another library's stream.
+    """
+    _driver._stream_handles.pop(stream, None)  # its slot in the handle cache goes with it
+    with on_device(ordinal) as driver:
+        _check("cuStreamDestroy", driver.cuStreamDestroy(driver.CUstream(stream)))
 
 
 def stream_synchronize(stream: int, ordinal: int) -> None:
