@@ -4,8 +4,11 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 # Extras installed into .venv; CI adds ray (`make test EXTRAS=dev,ray`) so the Ray tests run.
 EXTRAS ?= dev
+# TORCH=cpu also installs torch's CPU build (2.13.0), so the torch adapter's tests run without
+# a GPU (CI does; elsewhere that version may be a large CUDA build: leave TORCH empty).
+TORCH  ?=
 comma  := ,
-STAMP  := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
+STAMP  := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))$(if $(TORCH),-torch-$(TORCH))
 
 .PHONY: demo test test-gpu bench lint format typecheck info dist wheel-check clean
 
@@ -13,6 +16,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
+	$(if $(filter cpu,$(TORCH)),$(PY) -m pip install -q 'torch==2.13.0')
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -12,10 +12,25 @@ structure with a :class:`SlotArray` per array, each holding the ring item
 without a copy lives. Exceptions from workers travel as a picklable payload
 (:func:`exception_payload`) and are raised again as their own type when
 that can be rebuilt (:func:`rebuild_exception`).
+
+Samples made on the CPU for a CUDA slot (decoded images, the common case)
+are not copied one by one, nor from pageable memory: the worker stacks them
+into page-locked *staging* memory at the offsets they will have in the slot
+(:meth:`SlotWriter.staged_empty`, which ``default_collate`` and the torch
+adapter use), and :meth:`SlotWriter.finish` queues one asynchronous
+host-to-device copy per contiguous run of staged arrays on the legacy
+default stream -- the stream the ring records the slot's ready event on at
+``publish()``, and the one its ``acquire()`` makes wait for the trainer's
+reads of the slot. Nothing waits for the copy on the host: the trainer
+orders its reads after the slot's event, as for any ring item. Each worker
+has :data:`Staging.BUFFERS` staging areas of a slot's size, used in turn, so
+the CPU work of the next batch overlaps the copy of this one; an area is
+written again only once its previous copy is done (an event per area).
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 import pickle
@@ -52,24 +67,102 @@ def align(n: int) -> int:
 # ---------------------------------------------------------------------------
 
 
+class Staging:
+    """A worker's page-locked host memory for CPU samples bound for CUDA slots (see the module docstring).
+
+    ``BUFFERS`` areas, each as large as the largest batch asked for so far,
+    used in turn; an area is reused only after the copy that read it last has
+    finished (its event). Made on first use: a worker whose samples are made
+    on the GPU never pins any host memory.
+    """
+
+    BUFFERS = 2
+
+    def __init__(self, device: int) -> None:
+        self.device = device
+        self._areas: list[list[Any]] = [[0, 0, None] for _ in range(self.BUFFERS)]  # [ptr, nbytes, event]
+        self._turn = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Page-locked bytes held now."""
+        return sum(area[1] for area in self._areas)
+
+    def area(self, nbytes: int) -> int:
+        """The address of the area for the next batch, at least ``nbytes``, free to write."""
+        from . import _cuda
+
+        area = self._areas[self._turn]
+        if area[2] is not None:
+            _cuda.event_synchronize(area[2], self.device)  # its last copy read it: usually long done
+        if area[1] < nbytes:
+            if area[0]:
+                _cuda.host_free(area[0], self.device)
+                area[0] = area[1] = 0
+            area[0] = _cuda.host_alloc(nbytes, self.device)
+            area[1] = nbytes
+        return int(area[0])
+
+    def copy(self, dst: int, runs: list[tuple[int, int]]) -> None:
+        """Queue the copies of the current area's ``runs`` (offset, length) to ``dst`` + offset,
+        then record the area's event and turn to the next area."""
+        from . import _cuda
+
+        area = self._areas[self._turn]
+        for offset, length in runs:
+            _cuda.memcpy_htod_async(dst + offset, area[0] + offset, length, self.device, 0)
+        if area[2] is None:
+            area[2] = _cuda.event_create(self.device)
+        _cuda.event_record(area[2], self.device, 0)
+        self._turn = (self._turn + 1) % self.BUFFERS
+
+    def close(self) -> None:
+        """Free the areas once their last copies are done."""
+        from . import _cuda
+
+        for area in self._areas:
+            if area[2] is not None:
+                _cuda.event_synchronize(area[2], self.device)
+                _cuda.event_destroy(area[2], self.device)
+            if area[0]:
+                _cuda.host_free(area[0], self.device)
+        self._areas = [[0, 0, None] for _ in range(self.BUFFERS)]
+
+
 class SlotWriter:
     """What ``collate(samples, writer)`` writes a batch with, in a worker.
 
     ``writer.empty(shape, dtype)`` returns a Buffer in the current slot (the
     next free, aligned part of it): write into it (``copy_from``, NumPy on
     the host backend, a GPU library through DLPack or
-    ``__cuda_array_interface__``) and return it in the batch. Anything else
-    array-like that ``collate`` returns is copied into the slot; plain
-    Python values travel as they are. ``device`` is the slots' device
-    (``"cpu"`` or a CUDA ordinal).
+    ``__cuda_array_interface__``) and return it in the batch.
+    ``writer.staged_empty(shape, dtype)`` returns ``(host, buffer)``: a NumPy
+    array to write the values into on the CPU, and the Buffer in the slot they
+    will be in once the batch is published (on the host backend ``host`` is
+    the slot itself; on CUDA, page-locked staging copied at :meth:`finish`).
+    Anything else array-like that ``collate`` returns is copied into the
+    slot; plain Python values travel as they are. ``device`` is the slots'
+    device (``"cpu"`` or a CUDA ordinal).
     """
 
-    def __init__(self, manager: Any, slot: Buffer | None, device: int | str, backend: str | None) -> None:
-        self._manager = manager
+    def __init__(
+        self,
+        allocator: Any,
+        slot: Buffer | None,
+        device: int | str,
+        backend: str | None,
+        staging: Staging | None = None,
+    ) -> None:
+        self._allocator = allocator  # anything with .empty(shape, dtype, device, backend=): scratch buffers
         self._slot = slot  # None: the first batch, laid out in scratch buffers to size the slots
         self._limit = slot.nbytes if slot is not None else None
         self.device = device
         self._backend = backend
+        # Staging needs the slot (its offsets): the first batch, in scratch buffers, copies directly.
+        self._staging = staging if slot is not None and isinstance(device, int) else None
+        self._stage_at = 0  # address of this batch's staging area, once asked for
+        self._staged: list[tuple[int, int]] = []  # (offset, nbytes) regions written through staging
+        self._scratch_copies: list[tuple[Buffer, Any]] = []  # first batch: (buffer, host array) to copy at finish
         self.used = 0
         self._regions: dict[int, tuple[Buffer, int, str | None]] = {}
 
@@ -80,7 +173,7 @@ class SlotWriter:
         offset = align(self.used)
         end = offset + math.prod(dims) * dt.itemsize
         if self._slot is None:
-            buf = self._manager.empty(dims, dt, self.device, backend=self._backend)
+            buf = self._allocator.empty(dims, dt, self.device, backend=self._backend)
         else:
             if self._limit is not None and end > self._limit:
                 raise LoaderError(
@@ -94,15 +187,60 @@ class SlotWriter:
         self._regions[id(buf)] = (buf, offset, tag)
         return buf
 
+    def staged_empty(self, shape: Any, dtype: Any = "float32", *, tag: str | None = None) -> tuple[Any, Buffer]:
+        """``(host, buffer)``: write the array's values into the NumPy array ``host``; ``buffer``
+        is where they are in the slot once :meth:`finish` ran (the same memory on the host
+        backend). For samples made on the CPU: see the module docstring."""
+        buf = self.empty(shape, dtype, tag=tag)
+        if buf.device == "cpu":
+            return buf.numpy(), buf
+        offset = self._regions[id(buf)][1]
+        if self._staging is None:  # the first batch (scratch buffers): a plain array, copied at finish
+            host = np.empty(buf.shape, buf.dtype)
+            self._scratch_copies.append((buf, host))
+            return host, buf
+        if not self._stage_at:
+            assert self._limit is not None
+            self._stage_at = self._staging.area(self._limit)
+        view = (ctypes.c_char * buf.nbytes).from_address(self._stage_at + offset)
+        self._staged.append((offset, buf.nbytes))
+        return np.frombuffer(memoryview(view), dtype=buf.dtype).reshape(buf.shape), buf
+
     def put(self, array: Any, *, tag: str | None = None) -> Buffer:
         """Copy ``array`` (NumPy, array-like or a CUDA array) into the slot; return its Buffer there."""
         cai = getattr(array, "__cuda_array_interface__", None)
         if cai is not None:
             shape, dtype = tuple(cai["shape"]), np.dtype(cai["typestr"])
-        else:
-            array = np.asarray(array)
-            shape, dtype = array.shape, array.dtype
-        return self.empty(shape, dtype, tag=tag).copy_from(array)
+            return self.empty(shape, dtype, tag=tag).copy_from(array)
+        array = np.asarray(array)
+        host, buf = self.staged_empty(array.shape, array.dtype, tag=tag)
+        host[...] = array
+        return buf
+
+    def finish(self) -> None:
+        """Queue the copies of everything staged (one per contiguous run of staged arrays),
+        before the slot is published. On the host backend there is nothing to do."""
+        for buf, host in self._scratch_copies:
+            buf.copy_from(host)
+        self._scratch_copies.clear()
+        if not self._staged:
+            return
+        assert self._staging is not None and self._slot is not None
+        runs: list[list[int]] = []
+        for offset, nbytes in sorted(self._staged):
+            if runs and offset <= runs[-1][1] + ALIGN and not self._written_between(runs[-1][1], offset):
+                runs[-1][1] = offset + nbytes
+            else:
+                runs.append([offset, offset + nbytes])
+        self._staging.copy(self._slot.ptr, [(start, end - start) for start, end in runs])
+        self._staged.clear()
+        self._stage_at = 0
+
+    def _written_between(self, start: int, end: int) -> bool:
+        """Whether an array not staged lies in [start, end) of the slot (a run of staged
+        arrays must not be copied over it)."""
+        staged = {offset for offset, _ in self._staged}
+        return any(start <= offset < end and offset not in staged for _, offset, _ in self._regions.values())
 
     def layout(self, tree: Any) -> Any:
         """The batch's structure with each array replaced by ``("array", offset, shape, dtype, tag)``."""
@@ -166,16 +304,26 @@ def default_collate(samples: list[Any], writer: SlotWriter) -> Any:
         return type(first)(default_collate(list(field), writer) for field in zip(*samples, strict=True))
     if isinstance(first, bool) or isinstance(first, (int, float, complex, np.generic)):
         return writer.put(np.asarray(samples))
+    if isinstance(first, np.ndarray):
+        # Stacked in place: into the host slot itself, or into staging for a CUDA slot.
+        host, out = writer.staged_empty((len(samples), *first.shape), first.dtype)
+        try:
+            np.stack(samples, out=host)
+        except ValueError as exc:
+            shapes = sorted({np.shape(s) for s in samples}, key=str)
+            if len(shapes) < 2:
+                raise
+            raise ValueError(
+                f"samples of one batch have shapes {shapes[:4]}: samples of a batch must have one shape to be "
+                "stacked; pad them in the dataset, or pass collate= to lay the batch out yourself"
+            ) from exc
+        return out
     cai = getattr(first, "__cuda_array_interface__", None)
-    if cai is not None or isinstance(first, np.ndarray):
-        shape = tuple(cai["shape"]) if cai is not None else first.shape
-        dtype = np.dtype(cai["typestr"]) if cai is not None else first.dtype
-        out = writer.empty((len(samples), *shape), dtype)
-        if cai is None and out.device == "cpu":
-            np.stack(samples, out=out.numpy())  # written in place, no extra copy
-            return out
+    if cai is not None:
+        shape = tuple(cai["shape"])
+        out = writer.empty((len(samples), *shape), np.dtype(cai["typestr"]))
         for i, sample in enumerate(samples):
-            s_shape = tuple(sample.__cuda_array_interface__["shape"]) if cai is not None else np.shape(sample)
+            s_shape = tuple(sample.__cuda_array_interface__["shape"])
             if s_shape != shape:
                 raise ValueError(
                     f"sample {i} has shape {s_shape}, sample 0 has {shape}: samples of a batch must have one "

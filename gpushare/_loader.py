@@ -1,55 +1,77 @@
 """SlotLoader: dataset batches built by worker processes straight into pre-shared slots.
 
+Who owns what
+-------------
+The trainer (the process iterating) owns the memory: the loader makes an
+:class:`~gpushare._lifetime.Owner` in the trainer's own process (or
+allocates from ``manager=``, a started Manager of either owner mode) and no
+server process. Workers allocate their rings' slots from it by ``alloc``
+requests (:class:`~gpushare._manager.RemoteAllocator`), so a worker that dies
+takes no memory the trainer still uses, and the trainer reads its batches
+in its own memory: it maps nothing and opens no handle.
+
 The data flow, per epoch (one ``iter(loader)``):
 
-* The trainer (the process iterating) uses a Manager with
-  ``owner="server"`` (the loader's own, or one passed in), starts
-  ``num_workers`` gpushare Processes, and sends each a *task* per batch:
-  ``(sequence, indices)`` on that worker's queue, round robin (batch ``s``
-  goes to worker ``s % num_workers``), at most ``prefetch`` ahead per worker.
-* Each worker connects to the Manager and makes its own ring
-  (``manager.ring(...)``: ``slots`` buffers of ``slot_bytes`` bytes, owned
-  by the Manager's server, so a worker that dies takes no memory the
-  trainer still uses with it). It sends the ring to the trainer on the
-  control queue once; the trainer unpickles it and so registers as its
-  one consumer. For every task the worker fetches the samples, acquires a
-  free slot, and the ``collate`` function writes the batch into it through
-  a :class:`SlotWriter` (each array at the next 256-byte boundary). The
-  worker publishes the slot with its *layout* (the batch's structure,
-  each array's offset, shape and dtype, plain values as they are) as the
-  ring item's ``meta``. Without ``slot_bytes`` the first batch is built in
-  scratch buffers, the ring is sized from it (rounded up to 2 MiB), and
-  the batch is copied into slot 0.
+* The trainer starts ``num_workers`` gpushare Processes at once (with
+  ``persistent_workers=True``, only for the first epoch) and sends each a
+  *task* per batch, ``(epoch, sequence, indices)`` on that worker's queue,
+  round robin (batch ``s`` goes to worker ``s % num_workers``), at most
+  ``prefetch`` ahead per worker. On a GPU it readies its own CUDA context on
+  a thread meanwhile: the first slot a worker asks for needs it.
+* Each worker makes its own ring (``slots`` buffers of ``slot_bytes``
+  bytes) and sends it to the trainer on the control queue once; the trainer
+  unpickles it and so registers as its one consumer. For every task the
+  worker fetches the samples, acquires a free slot, and ``collate`` writes
+  the batch into it through a :class:`~gpushare._batch.SlotWriter` (samples
+  made on the CPU for a CUDA slot go through page-locked staging and one
+  asynchronous copy: see :mod:`gpushare._batch`). The worker publishes the
+  slot with the batch's *layout* as the ring item's ``meta``. Without
+  ``slot_bytes`` the first batch is built in scratch buffers, the ring is
+  sized from it (rounded up to 2 MiB), and the batch is copied into slot 0.
 * The trainer reads worker ``s % num_workers``'s ring for batch ``s``, so
   batches come in sampler order, and rebuilds the structure with a
-  :class:`SlotArray` per array: a Buffer viewing the slot, holding the ring
-  item. The slot goes back to its worker when the last reference to the
-  batch (its arrays, their views, tensors made from them) is gone; so
-  memory is bounded by ``num_workers * slots`` slots.
+  :class:`~gpushare._batch.SlotArray` per array, holding the ring item. The
+  slot goes back to its worker when the last reference to the batch (its
+  arrays, their views, tensors made from them) is gone; so memory is bounded
+  by ``num_workers * slots`` slots (and, for CPU samples into CUDA slots,
+  two slots' worth of page-locked staging per worker).
+
+Persistent workers: the workers and their rings stay for the loader's life;
+a new epoch sends its tasks to the same queues. An epoch left early leaves
+tasks behind: the epoch counter the workers share tells them those are
+stale, so they publish a ``skip`` instead of building them, and the trainer
+drops whatever of an earlier epoch arrives before this epoch's batches.
 
 Errors: an exception in a worker (in the dataset, ``collate``, a batch
 larger than its slot) travels in order as that batch's item (or on the
 control queue before the worker has a ring) and is raised in the trainer
 with the worker's traceback, as its own type when that can be rebuilt;
 the next ``next()`` goes on with the following batch. A worker that dies
-is an :class:`~gpushare.OwnerGoneError` naming it. A trainer that holds
-every slot of the worker it waits for would wait forever: that is a
+is an :class:`~gpushare.OwnerGoneError` naming it (a persistent loader
+starts new workers at its next epoch). A trainer that holds every slot of
+the worker it waits for would wait forever: that is a
 :class:`~gpushare.LoaderError` saying what to do instead.
 
-Ending: the epoch ends after the last batch, when the iterator is closed
-or collected (``break`` out of the loop), or at exit: the stop event is
-set, workers are joined (a worker waiting for a slot polls the event) and,
-past a bound, terminated; only then does the trainer leave their rings,
-because leaving frees the slots it holds and a running worker could
-rewrite a batch the trainer keeps. Workers also stop when
-the trainer's process is gone (their task queue says so, and they poll).
+Stopping clean. The workers stop when their epoch ends (the last batch, the
+iterator closed or collected, ``break``), or, when persistent, when the
+loader is closed (``close()``, ``with``), garbage-collected or the
+interpreter exits: the stop event is set, workers are joined (a worker
+waiting for a slot polls the event) and, past a bound, terminated; only then
+does the trainer leave their rings, because leaving frees the slots it holds
+and a running worker could rewrite a batch the trainer keeps. The loader's
+Owner and its memory go when the loader *and* every batch it handed out are
+gone (each batch holds the loader's :class:`_Resources`): a batch still held
+stays valid. Workers also stop when the trainer's process is gone (their
+task queue says so, and they poll).
 """
 
 from __future__ import annotations
 
+import atexit
 import gc
 import os
 import queue
+import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -59,7 +81,7 @@ import numpy as np
 
 from . import _backends
 from ._authsocket import process_alive
-from ._batch import SlotArray, SlotWriter, align, build, default_collate, exception_payload, rebuild_exception
+from ._batch import SlotArray, SlotWriter, Staging, align, build, default_collate, exception_payload, rebuild_exception
 from ._buffer import Buffer
 from ._errors import LoaderError, OwnerGoneError, RingClosedError, WaitTimeoutError
 
@@ -89,10 +111,10 @@ def _fetch(dataset: Any, indices: list[Any]) -> list[Any]:
     return [dataset[i] for i in indices]
 
 
-def _worker_main(worker: int, address: Any, dataset: Any, collate: Any, tasks: Any, control: Any, stop: Any,
-                 options: dict[str, Any]) -> None:  # fmt: skip
-    """A loader worker: connect to the Manager, then build each task's batch into a slot of its ring."""
-    from ._manager import BufferManager
+def _worker_main(worker: int, allocator: Any, dataset: Any, collate: Any, tasks: Any, control: Any, stop: Any,
+                 epoch_now: Any, options: dict[str, Any]) -> None:  # fmt: skip
+    """A loader worker: build each task's batch into a slot of its ring (see the module docstring)."""
+    from ._fanout import create_ring
 
     parent = options["parent"]
     device, backend, slots = options["device"], options["backend"], options["slots"]
@@ -100,26 +122,26 @@ def _worker_main(worker: int, address: Any, dataset: Any, collate: Any, tasks: A
     def going() -> bool:
         return not stop.is_set() and process_alive(parent)
 
-    manager = BufferManager(address=address, owner="server")
     try:
-        manager.connect()
+        allocator.link()  # connect to the trainer's Owner now, not with the first slot
         _current[0] = dataset
         if options["worker_init"] is not None:
             options["worker_init"](worker)
         ring = None
         if options["slot_bytes"]:
-            ring = manager.ring((options["slot_bytes"],), "uint8", device, slots=slots, backend=backend)
+            ring = create_ring(allocator, (options["slot_bytes"],), "uint8", device, slots=slots, backend=backend)
             control.put(("ring", worker, ring))
     except BaseException as exc:
         control.put(("fatal", worker, *exception_payload(exc, worker, -1)))
         return
+    staging = Staging(device) if isinstance(device, int) else None
 
     def acquire() -> Buffer | None:
         assert ring is not None
         while going():
             try:
                 return ring.acquire(timeout=POLL)
-            except TimeoutError:
+            except WaitTimeoutError:
                 continue
         return None
 
@@ -132,34 +154,47 @@ def _worker_main(worker: int, address: Any, dataset: Any, collate: Any, tasks: A
             break
         if task is None:
             break
-        seq, indices = task
+        epoch, seq, indices = task
         slot = writer = None
+        meta: Any
         try:
-            samples = _fetch(dataset, indices)
-            if ring is None:  # first batch: lay it out in scratch buffers, size the slots from it
-                writer = SlotWriter(manager, None, device, backend)
-                meta: Any = ("batch", seq, writer.layout(collate(samples, writer)))
-                nbytes = max(1, align(writer.used))
-                ring = manager.ring((nbytes,), "uint8", device, slots=slots, backend=backend)
-                control.put(("ring", worker, ring))
+            if epoch < epoch_now.value:  # an epoch left early: the trainer drops it anyway
+                meta = ("skip", epoch, seq, None)
+                if ring is None:
+                    control.put(("skip", worker, epoch, seq))
+                    continue
                 slot = acquire()
                 if slot is None:
                     break
-                writer.move_into(slot)
             else:
-                slot = acquire()
-                if slot is None:
-                    break
-                writer = SlotWriter(manager, slot, device, backend)
-                meta = ("batch", seq, writer.layout(collate(samples, writer)))
+                samples = _fetch(dataset, indices)
+                if ring is None:  # first batch: lay it out in scratch buffers, size the slots from it
+                    writer = SlotWriter(allocator, None, device, backend)
+                    meta = ("batch", epoch, seq, writer.layout(collate(samples, writer)))
+                    writer.finish()
+                    nbytes = max(1, align(writer.used))
+                    ring = create_ring(allocator, (nbytes,), "uint8", device, slots=slots, backend=backend)
+                    control.put(("ring", worker, ring))
+                    slot = acquire()
+                    if slot is None:
+                        break
+                    writer.move_into(slot)
+                else:
+                    slot = acquire()
+                    if slot is None:
+                        break
+                    writer = SlotWriter(allocator, slot, device, backend, staging)
+                    meta = ("batch", epoch, seq, writer.layout(collate(samples, writer)))
+                    writer.finish()
         except Exception as exc:
             payload = exception_payload(exc, worker, seq)
             if writer is not None:
                 writer.clear()
+                writer = None
             if ring is None:
-                control.put(("error", worker, seq, payload))
+                control.put(("error", worker, epoch, seq, payload))
                 continue
-            meta = ("error", seq, payload)
+            meta = ("error", epoch, seq, payload)
             if slot is None:
                 slot = acquire()
                 if slot is None:
@@ -170,13 +205,15 @@ def _worker_main(worker: int, address: Any, dataset: Any, collate: Any, tasks: A
             try:
                 ring.publish(slot, meta=meta, timeout=POLL)
                 break
-            except TimeoutError:  # the trainer has not registered yet
+            except WaitTimeoutError:  # the trainer has not registered yet
                 continue
             except RingClosedError:
                 return
         slot = None
     if ring is not None:
         ring.close()
+    if staging is not None:
+        staging.close()
 
 
 # ---------------------------------------------------------------------------
@@ -208,121 +245,9 @@ def _positive(name: str, value: Any) -> int:
     return value
 
 
-class SlotLoader:
-    """Batches of a dataset, built by worker processes straight into pre-shared slots.
-
-    ::
-
-        loader = gpushare.SlotLoader(dataset, batch_size=64, num_workers=4, device=0)
-        for batch in loader:           # the dataset's structure, with SlotArrays for arrays
-            use(batch)                 # views of the worker's slot: no copy on this side
-                                       # the slot goes back when the batch is dropped
-
-    ``dataset`` is map-style (``dataset[i]``, and ``len()`` unless
-    ``batch_sampler`` is given) and picklable: each worker gets a copy.
-    ``batch_sampler`` is any re-iterable of index lists; otherwise
-    ``batch_size``, ``shuffle``, ``drop_last`` and ``seed`` make one.
-    ``collate(samples, writer)`` builds a batch into the slot
-    (:func:`default_collate` stacks arrays; see :class:`SlotWriter`).
-    ``slots`` per worker bound the memory: ``num_workers * slots`` slots of
-    ``slot_bytes`` (default: the first batch's size, rounded up to 2 MiB).
-    ``device`` is where the slots live (a CUDA device, or ``"cpu"`` for
-    host shared memory); workers are bound to it. ``worker_init(worker_id)``
-    runs first in each worker. ``timeout`` bounds the wait for one batch
-    (:class:`~gpushare.WaitTimeoutError`, a ``TimeoutError``). ``manager`` may be a started ``Manager(owner="server")``
-    to allocate from; by default the loader starts its own.
-    """
-
-    def __init__(
-        self,
-        dataset: Any,
-        batch_size: int = 1,
-        *,
-        shuffle: bool = False,
-        drop_last: bool = False,
-        batch_sampler: Iterable[Any] | None = None,
-        seed: int | None = None,
-        num_workers: int = 2,
-        slots: int = 4,
-        slot_bytes: int | None = None,
-        prefetch: int | None = None,
-        device: Any = None,
-        backend: str | None = None,
-        collate: Callable[[list[Any], SlotWriter], Any] | None = None,
-        worker_init: Callable[[int], Any] | None = None,
-        timeout: float | None = None,
-        manager: Any = None,
-    ) -> None:
-        if not hasattr(dataset, "__getitem__"):
-            raise TypeError(
-                f"dataset {type(dataset).__name__} has no __getitem__: SlotLoader needs a map-style dataset "
-                "(dataset[i]); iterable datasets are not supported"
-            )
-        self.num_workers = _positive("num_workers", num_workers)
-        self.slots = _positive("slots", slots)
-        self.prefetch = self.slots if prefetch is None else _positive("prefetch", prefetch)
-        if slot_bytes is not None:
-            _positive("slot_bytes", slot_bytes)
-        if timeout is not None and not timeout > 0:
-            raise ValueError(f"timeout={timeout!r} must be a positive number of seconds, or None to wait forever")
-        if batch_sampler is None:
-            try:
-                length = len(dataset)
-            except TypeError:
-                raise TypeError(
-                    f"dataset {type(dataset).__name__} has no len(); give it __len__, or pass batch_sampler="
-                ) from None
-            batch_sampler = _Batches(length, _positive("batch_size", batch_size), shuffle, drop_last, seed)
-        if manager is not None and getattr(manager, "owner", None) != "server":
-            raise ValueError(
-                "manager= must be a started gpushare.Manager(owner='server'): the slots must outlive the "
-                "worker that fills them, so the Manager's server owns them"
-            )
-        _, ordinal = _backends.resolve(device, backend)
-        self.device: int | str = "cpu" if ordinal is None else ordinal
-        self.backend = backend
-        self.dataset = dataset
-        self.batch_sampler = batch_sampler
-        self.collate = collate or default_collate
-        self.worker_init = worker_init
-        self.slot_bytes = slot_bytes
-        self.timeout = timeout
-        self._manager = manager
-        self._own_manager = manager is None
-
-    @property
-    def manager(self) -> Any:
-        """The Manager that owns the slots (started on first use)."""
-        if self._manager is None:
-            from ._context import get_context
-
-            self._manager = get_context().Manager(owner="server")
-        return self._manager
-
-    def __len__(self) -> int:
-        return len(self.batch_sampler)  # type: ignore[arg-type]
-
-    def __iter__(self) -> Iterator[Any]:
-        return _Epoch(self)
-
-    def _convert(self, array: SlotArray) -> Any:
-        """What the trainer gets for each array of a batch (adapters turn it into their tensors)."""
-        return array
-
-    def close(self) -> None:
-        """Shut down the loader's own Manager once no batch of it is alive (it lives while they do)."""
-        if self._own_manager:
-            self._manager = None
-
-    def __repr__(self) -> str:
-        return (
-            f"<gpushare.SlotLoader workers={self.num_workers} slots={self.slots} device={self.device!r} "
-            f"dataset={type(self.dataset).__name__}>"
-        )
-
-
-def _shutdown(procs: list[Any], tasks: list[Any], control: Any, stop: Any, rings: list[Any], stash: list[Any]) -> None:
-    """End an epoch: stop the workers, leave their rings, join them (terminating stragglers)."""
+def _stop_workers(procs: list[Any], tasks: list[Any], control: Any, stop: Any, rings: list[Any],
+                  stash: list[Any]) -> None:  # fmt: skip
+    """Stop a set of workers: stop them, join them (terminating stragglers), then leave their rings."""
     stop.set()
     for q in tasks:
         try:
@@ -349,28 +274,32 @@ def _shutdown(procs: list[Any], tasks: list[Any], control: Any, stop: Any, rings
         q.close()
 
 
-class _Epoch:
-    """One pass over the batches: the workers, their rings, and what is in flight."""
+class _Workers:
+    """``num_workers`` worker processes, their queues, and the trainer's ends of their rings.
 
-    def __init__(self, loader: SlotLoader) -> None:
+    For one epoch, or (``persistent_workers=True``) for the loader's life. ``sent``
+    and ``taken`` count tasks and answers per worker over every epoch, so that an
+    epoch can drop what an earlier one left in flight.
+    """
+
+    def __init__(self, loader: SlotLoader, allocator: Any) -> None:
         from ._context import get_context
 
-        self._loader = loader
-        manager = loader.manager
-        self._hold_manager = manager
         ctx = get_context()
         n = loader.num_workers
-        self._batches = iter(loader.batch_sampler)
-        self._tasks = [ctx.Queue() for _ in range(n)]
-        self._control = ctx.Queue()
-        self._stop = ctx.Event()
-        self._rings: list[Any] = [None] * n
-        self._stash: list[deque[tuple[Any, ...]]] = [deque() for _ in range(n)]
-        self._procs: list[Any] = []
-        self._sent = self._next = 0
-        self._exhausted = False
+        self.n = n
+        self.tasks = [ctx.Queue() for _ in range(n)]
+        self.control = ctx.Queue()
+        self.stop = ctx.Event()
+        self.epoch_now = ctx.Value("q", 0, lock=False)  # the epoch workers build batches for
+        self.rings: list[Any] = [None] * n
+        self.stash: list[deque[tuple[Any, ...]]] = [deque() for _ in range(n)]
+        self.procs: list[Any] = []
+        self.sent = [0] * n
+        self.taken = [0] * n
+        self.broken = False  # a worker died: a persistent loader starts new workers next epoch
         self._finalizer = weakref.finalize(
-            self, _shutdown, self._procs, self._tasks, self._control, self._stop, self._rings, self._stash
+            self, _stop_workers, self.procs, self.tasks, self.control, self.stop, self.rings, self.stash
         )
         options = {
             "parent": os.getpid(),
@@ -383,21 +312,324 @@ class _Epoch:
         for k in range(n):
             proc = ctx.Process(
                 target=_worker_main,
-                args=(k, manager.address, loader.dataset, loader.collate, self._tasks[k], self._control,
-                      self._stop, options),
+                args=(k, allocator, loader.dataset, loader.collate, self.tasks[k], self.control, self.stop,
+                      self.epoch_now, options),
                 device=loader.device,
                 daemon=True,
                 name=f"gpushare-loader-{k}",
             )  # fmt: skip
             proc.start()
-            self._procs.append(proc)
+            self.procs.append(proc)
+
+    @property
+    def alive(self) -> bool:
+        return self._finalizer.alive and not self.broken
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _release(owner: Any, workers: list[Any], pinned: list[tuple[int, int]]) -> None:
+    """The loader and every batch it handed out are gone: stop what still runs, unpin, free."""
+    for w in workers:
+        w.close()
+    workers.clear()
+    if pinned:
+        from . import _cuda
+
+        for ptr, device in pinned:
+            try:
+                _cuda.host_unregister(ptr, device)
+            except Exception:  # the driver already gone at exit
+                pass
+        pinned.clear()
+    if owner is not None:
+        # Leases come back as their last holders go, maybe just after this runs (inside the
+        # garbage collector, say): a thread waits for them. At interpreter exit there is
+        # nothing left to wait for, and a thread would not be waited for.
+        if _exiting:
+            owner.shutdown(0.0)
+        else:
+            threading.Thread(target=owner.shutdown, name="gpushare-loader-shutdown", daemon=True).start()
+
+
+_exiting = False
+
+
+def _at_exit() -> None:
+    global _exiting
+    _exiting = True
+
+
+atexit.register(_at_exit)  # registered after weakref's own exit hook, so it runs before it
+
+
+class _Resources:
+    """What a loader owns: its Owner (unless ``manager=`` allocates), its persistent
+    workers and the host memory it pinned. Held by the loader, by each epoch and by each
+    batch it handed out; released (:func:`_release`) when the last of them goes, and at
+    interpreter exit."""
+
+    def __init__(self, loader: SlotLoader) -> None:
+        from multiprocessing import current_process
+
+        self.owner: Any = None
+        if loader.manager is None:
+            from ._lifetime import Owner
+            from ._manager import RemoteAllocator
+
+            self.owner = Owner(authkey=bytes(current_process().authkey))
+            self.allocator = RemoteAllocator(self.owner.address, self.owner.token, loader.backend)
+        else:
+            self.allocator = loader.manager.allocator()
+        self.workers: list[_Workers] = []  # the persistent ones (none for per-epoch workers)
+        self.pinned: list[tuple[int, int]] = []  # host slots registered for pin_memory: (pointer, device)
+        self._pinned_ptrs: set[int] = set()
+        self._finalizer = weakref.finalize(self, _release, self.owner, self.workers, self.pinned)
+
+    def pin(self, item: Buffer) -> None:
+        """pin_memory: page-lock a host slot once (torch then sees its tensors as pinned)."""
+        ptr = item.ptr
+        if ptr in self._pinned_ptrs:
+            return
+        self._pinned_ptrs.add(ptr)
+        from . import _cuda
+
+        try:
+            _cuda.host_register(ptr, item.nbytes, 0)
+        except Exception as exc:  # no GPU or driver: pinning means nothing there (torch warns too)
+            import warnings
+
+            warnings.warn(
+                f"pin_memory=True, but host memory cannot be pinned here ({exc}); batches stay pageable",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            return
+        self.pinned.append((ptr, 0))
+
+    def release(self) -> None:
+        self._finalizer()
+
+
+def _warm_cuda(device: int) -> None:
+    """Ready this process's CUDA context on ``device`` (the first slot a worker asks for needs it)."""
+    try:
+        from . import _cuda
+
+        _cuda.make_current(device)  # cuInit and the device's primary context: the slow part
+    except Exception:  # a real problem shows again, with its message, at the first allocation
+        pass
+
+
+class SlotLoader:
+    """Batches of a dataset, built by worker processes straight into pre-shared slots.
+
+    ::
+
+        loader = gpushare.SlotLoader(dataset, batch_size=64, num_workers=4, device=0)
+        for batch in loader:           # the dataset's structure, with SlotArrays for arrays
+            use(batch)                 # views of the worker's slot: no copy on this side
+                                       # the slot goes back when the batch is dropped
+
+    ``dataset`` is map-style (``dataset[i]``, and ``len()`` unless
+    ``batch_sampler`` is given) and picklable: each worker gets a copy.
+    ``batch_sampler`` is any re-iterable of index lists; otherwise
+    ``batch_size``, ``shuffle``, ``drop_last`` and ``seed`` make one.
+    ``collate(samples, writer)`` builds a batch into the slot
+    (:func:`default_collate` stacks arrays; see :class:`SlotWriter`).
+    ``slots`` per worker bound the memory: ``num_workers * slots`` slots of
+    ``slot_bytes`` (default: the first batch's size, rounded up to 2 MiB).
+    ``device`` is where the slots live (a CUDA device, or ``"cpu"`` for
+    host shared memory); workers are bound to it. ``worker_init(worker_id)``
+    runs first in each worker. ``timeout`` bounds the wait for one batch
+    (:class:`~gpushare.WaitTimeoutError`, a ``TimeoutError``).
+    ``persistent_workers``: keep the workers, their rings and their slots
+    from one epoch to the next (the next epoch's first batch then comes as
+    fast as a batch is built). ``pin_memory``: with ``device="cpu"``, the
+    slots are page-locked, so host-to-device copies of the batches are
+    asynchronous (torch's ``pin_memory``). ``manager``: a started Manager
+    to allocate the slots from (either owner mode); by default the loader
+    owns them itself, in this process.
+
+    Close the loader (``close()``, or ``with SlotLoader(...) as loader:``)
+    to stop persistent workers at once; dropping it does the same. Its
+    memory goes when the loader and every batch it handed out are gone.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int = 1,
+        *,
+        shuffle: bool = False,
+        drop_last: bool = False,
+        batch_sampler: Iterable[Any] | None = None,
+        seed: int | None = None,
+        num_workers: int = 2,
+        slots: int = 4,
+        slot_bytes: int | None = None,
+        prefetch: int | None = None,
+        device: Any = None,
+        backend: str | None = None,
+        collate: Callable[[list[Any], SlotWriter], Any] | None = None,
+        worker_init: Callable[[int], Any] | None = None,
+        timeout: float | None = None,
+        persistent_workers: bool = False,
+        pin_memory: bool = False,
+        manager: Any = None,
+    ) -> None:
+        if not hasattr(dataset, "__getitem__"):
+            raise TypeError(
+                f"dataset {type(dataset).__name__} has no __getitem__: SlotLoader needs a map-style dataset "
+                "(dataset[i]); iterable datasets are not supported"
+            )
+        self.num_workers = _positive("num_workers", num_workers)
+        self.slots = _positive("slots", slots)
+        self.prefetch = self.slots if prefetch is None else _positive("prefetch", prefetch)
+        if slot_bytes is not None:
+            _positive("slot_bytes", slot_bytes)
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"timeout={timeout!r} must be a positive number of seconds, or None to wait forever")
+        if batch_sampler is None:
+            try:
+                length = len(dataset)
+            except TypeError:
+                raise TypeError(
+                    f"dataset {type(dataset).__name__} has no len(); give it __len__, or pass batch_sampler="
+                ) from None
+            batch_sampler = _Batches(length, _positive("batch_size", batch_size), shuffle, drop_last, seed)
+        if manager is not None and not callable(getattr(manager, "allocator", None)):
+            raise ValueError(f"manager={manager!r} is not a gpushare Manager; pass a started gpushare.Manager()")
+        _, ordinal = _backends.resolve(device, backend)
+        self.device: int | str = "cpu" if ordinal is None else ordinal
+        self.backend = backend
+        self.dataset = dataset
+        self.batch_sampler = batch_sampler
+        self.collate = collate or default_collate
+        self.worker_init = worker_init
+        self.slot_bytes = slot_bytes
+        self.timeout = timeout
+        self.persistent_workers = bool(persistent_workers)
+        self.pin_memory = bool(pin_memory) and self.device == "cpu"
+        self.manager = manager
+        self._resources: _Resources | None = None
+        self._epochs: weakref.WeakSet[_Epoch] = weakref.WeakSet()
+        self._closed = False
+
+    def _house(self) -> _Resources:
+        """The loader's resources, made with its first epoch."""
+        if self._closed:
+            raise LoaderError("this loader was closed; make a new one to iterate again")
+        if self._resources is None:
+            self._resources = _Resources(self)
+            # Closing (or collecting) the loader stops persistent workers at once; the
+            # memory waits for the batches (they hold the resources too).
+            weakref.finalize(self, _stop_all, self._resources.workers)
+        return self._resources
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[Any]:
+        epoch = _Epoch(self, self._house())
+        self._epochs.add(epoch)
+        return epoch
+
+    def _convert(self, array: SlotArray) -> Any:
+        """What the trainer gets for each array of a batch (adapters turn it into their tensors)."""
+        return array
+
+    def stats(self) -> dict[str, Any]:
+        """The memory the loader holds: slots (count, bytes each), page-locked bytes, workers."""
+        house = self._resources
+        rings = []
+        if house is not None:
+            for workers in house.workers:
+                rings += [r for r in workers.rings if r is not None]
+        for epoch in list(self._epochs):
+            if epoch.workers is not None and not self.persistent_workers:
+                rings += [r for r in epoch.workers.rings if r is not None]
+        slot_bytes = max((int(np.prod(r.shape)) * r.dtype.itemsize for r in rings), default=self.slot_bytes or 0)
+        return {
+            "workers": self.num_workers,
+            "persistent_workers": self.persistent_workers,
+            "slots": len(rings) * self.slots,
+            "slot_bytes": slot_bytes,
+            "device_bytes": len(rings) * self.slots * slot_bytes if isinstance(self.device, int) else 0,
+            "host_bytes": len(rings) * self.slots * slot_bytes if self.device == "cpu" else 0,
+            # CPU samples into CUDA slots: at most this much page-locked staging per worker
+            "staging_bytes_per_worker": Staging.BUFFERS * slot_bytes if isinstance(self.device, int) else 0,
+            "pinned": bool(house and house.pinned),
+        }
+
+    def close(self) -> None:
+        """Stop the workers now; the loader's memory goes once no batch of it is alive. Idempotent."""
+        self._closed = True
+        for epoch in list(self._epochs):
+            epoch.close()
+        house, self._resources = self._resources, None
+        if house is not None:
+            _stop_all(house.workers)
+
+    def __enter__(self) -> SlotLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"<gpushare.SlotLoader workers={self.num_workers} slots={self.slots} device={self.device!r} "
+            f"dataset={type(self.dataset).__name__}{' persistent' if self.persistent_workers else ''}>"
+        )
+
+
+def _stop_all(workers: list[_Workers]) -> None:
+    for w in workers:
+        w.close()
+
+
+class _Epoch:
+    """One pass over the batches: its workers (new, or the loader's persistent ones) and what is in flight."""
+
+    def __init__(self, loader: SlotLoader, house: _Resources) -> None:
+        self._loader = loader
+        self._house = house
+        n = loader.num_workers
+        self._batches = iter(loader.batch_sampler)
+        self._sent = self._next = 0
+        self._exhausted = False
+        if isinstance(loader.device, int):
+            threading.Thread(target=_warm_cuda, args=(loader.device,), daemon=True).start()
+        if loader.persistent_workers:
+            pool = [w for w in house.workers if w.alive]
+            for w in house.workers:
+                if not w.alive:
+                    w.close()
+            house.workers[:] = pool
+            if not pool:
+                house.workers.append(_Workers(loader, house.allocator))
+            self.workers = house.workers[0]
+            self.workers.epoch_now.value += 1
+        else:
+            self.workers = _Workers(loader, house.allocator)
+        self._number = self.workers.epoch_now.value
+        self._first: list[int] = list(self.workers.sent)  # per worker, the first task of this epoch
+        self._closed = False
         self._dispatch()
+        assert n == self.workers.n
 
     @property
     def worker_pids(self) -> list[int]:
-        return [p.pid for p in self._procs]
+        return [p.pid for p in self.workers.procs]
+
+    @property
+    def _rings(self) -> list[Any]:
+        return self.workers.rings
 
     def _dispatch(self) -> None:
+        w = self.workers
         window = self._next + self._loader.num_workers * self._loader.prefetch
         while not self._exhausted and self._sent < window:
             try:
@@ -405,18 +637,20 @@ class _Epoch:
             except StopIteration:
                 self._exhausted = True
                 break
-            self._tasks[self._sent % self._loader.num_workers].put((self._sent, list(indices)))
+            k = self._sent % w.n
+            w.tasks[k].put((self._number, self._sent, list(indices)))
+            w.sent[k] += 1
             self._sent += 1
 
     def __iter__(self) -> _Epoch:
         return self
 
     def __next__(self) -> Any:
-        if self._next >= self._sent or not self._finalizer.alive:  # done, or ended by close() or an error
+        if self._next >= self._sent or self._closed:  # done, or ended by close() or an error
             self.close()
             raise StopIteration
         seq = self._next
-        worker = seq % self._loader.num_workers
+        worker = seq % self.workers.n
         self._next += 1
         try:
             kind, payload, item = self._receive(worker, seq)
@@ -427,16 +661,31 @@ class _Epoch:
         if kind == "error":
             del item  # the slot goes back at once
             raise rebuild_exception(payload)
-        return build(payload, item, (item, self._hold_manager), self._loader._convert)
+        if self._loader.pin_memory:
+            self._house.pin(item)
+        # (house, item): a tuple drops its last item first, so the slot goes back before
+        # the loader's resources can be released.
+        return build(payload, item, (self._house, item), self._loader._convert)
 
     def close(self) -> None:
-        """End this epoch now: workers stop and exit; batches already received stay valid."""
-        self._finalizer()
+        """End this epoch now: its workers stop (unless persistent); batches already received stay valid."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self._loader.persistent_workers:
+            self.workers.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown
+            pass
 
     # -- waiting ----------------------------------------------------------------------
     def _gone(self, worker: int, during: str) -> OwnerGoneError:
-        proc = self._procs[worker]
+        proc = self.workers.procs[worker]
         proc.join(1.0)
+        self.workers.broken = True
         return OwnerGoneError(
             f"loader worker {worker} (pid {proc.pid}) exited unexpectedly (exit code {proc.exitcode}) {during}. "
             "A negative exit code is the signal that killed it (e.g. -9: killed, often by the out-of-memory "
@@ -455,48 +704,63 @@ class _Epoch:
             )
 
     def _receive(self, worker: int, seq: int) -> tuple[str, Any, Any]:
+        """Batch ``seq``'s answer from ``worker``: what an earlier epoch left in flight is dropped first."""
+        w = self.workers
         deadline = self._deadline()
-        while self._rings[worker] is None:
-            message = self._stash[worker].popleft() if self._stash[worker] else self._control_message(worker, deadline)
+        while True:
+            kind, epoch, got, payload, item = self._answer(worker, seq, deadline)
+            w.taken[worker] += 1
+            if epoch == self._number:
+                break
+            if item is not None:  # an earlier epoch's: its slot goes back at once
+                item.release()
+        if got != seq:
+            raise LoaderError(f"internal: worker {worker} sent batch {got}, expected {seq}")
+        if kind == "skip":
+            raise LoaderError(f"internal: worker {worker} skipped batch {seq} of the current epoch")
+        return kind, payload, item
+
+    def _answer(self, worker: int, seq: int, deadline: float | None) -> tuple[str, int, int, Any, Any]:
+        """The next answer of ``worker``: (kind, epoch, sequence, payload, ring item or None)."""
+        w = self.workers
+        while w.rings[worker] is None:
+            message = w.stash[worker].popleft() if w.stash[worker] else self._control_message(worker, deadline, seq)
             if message[0] == "ring":
-                self._rings[worker] = message[2]
-            elif message[0] == "error":
-                if message[2] != seq:
-                    raise LoaderError(f"internal: worker {worker} reported batch {message[2]}, expected {seq}")
-                return "error", message[3], None
+                w.rings[worker] = message[2]
+            elif message[0] in ("error", "skip"):
+                return message[0], message[2], message[3], message[4] if message[0] == "error" else None, None
             else:  # "fatal"
                 raise LoaderError(f"loader worker {worker} could not start: {message[3]}")
-        ring = self._rings[worker]
+        ring = w.rings[worker]
         self._check_held(worker, ring)
         while True:
             try:
                 item = ring.get(timeout=POLL)
                 break
-            except TimeoutError:
-                if not self._procs[worker].is_alive():
+            except WaitTimeoutError:
+                if not w.procs[worker].is_alive():
                     raise self._gone(worker, f"while batch {seq} was awaited") from None
                 self._expired(deadline, worker, seq)
             except OwnerGoneError:
                 raise self._gone(worker, f"while batch {seq} was awaited") from None
             except RingClosedError:
                 raise LoaderError(f"loader worker {worker} closed its ring before batch {seq}") from None
-        kind, got, payload = item.meta
-        if got != seq:
-            raise LoaderError(f"internal: worker {worker} sent batch {got}, expected {seq}")
-        return kind, payload, item
+        kind, epoch, got, payload = item.meta
+        return kind, epoch, got, payload, item
 
-    def _control_message(self, worker: int, deadline: float | None) -> tuple[Any, ...]:
+    def _control_message(self, worker: int, deadline: float | None, seq: int) -> tuple[Any, ...]:
+        w = self.workers
         while True:
             try:
-                message = self._control.get(timeout=POLL)
+                message = w.control.get(timeout=POLL)
             except queue.Empty:
-                if not self._procs[worker].is_alive():
+                if not w.procs[worker].is_alive():
                     raise self._gone(worker, "before it sent its first batch") from None
-                self._expired(deadline, worker, self._next - 1)
+                self._expired(deadline, worker, seq)
                 continue
             if message[1] == worker:
                 return message  # type: ignore[no-any-return]
-            self._stash[message[1]].append(message)
+            w.stash[message[1]].append(message)
 
     def _check_held(self, worker: int, ring: Any) -> None:
         if ring.stats()["held"] < self._loader.slots:

@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from ._buffer import Buffer
     from ._fanout import Ring
 
-__all__ = ["GRANULARITY", "BufferManager", "round_size"]
+__all__ = ["GRANULARITY", "BufferManager", "RemoteAllocator", "round_size"]
 
 #: Every allocation is a multiple of this (the CUDA VMM granularity, 2 MiB).
 GRANULARITY = 2 << 20
@@ -57,6 +57,65 @@ _DTYPE_NAMES: dict[Any, str] = {}  # dtype -> its name, for allocation labels (f
 
 def round_size(nbytes: int) -> int:
     return max(1, math.ceil(nbytes / GRANULARITY)) * GRANULARITY
+
+
+def _allocation_request(shape: Any, dtype: Any, device: Any, backend: str | None) -> tuple[Any, ...]:
+    """Check a request and resolve where it goes: (backend, ordinal, dims, dtype, rounded size, label)."""
+    from . import _backends, _reduction  # _reduction registers how the Buffer about to be made pickles
+    from ._buffer import check_dtype, check_shape
+
+    del _reduction
+
+    dims = check_shape(shape)
+    dt = check_dtype(dtype)
+    nbytes = math.prod(dims) * dt.itemsize
+    if nbytes > _MAX_BYTES:
+        raise OutOfMemoryError(f"shape {dims} of {dt} needs {nbytes} bytes, more than any device holds")
+    chosen, ordinal = _backends.resolve(device, backend)
+    name = _DTYPE_NAMES.get(dt)
+    if name is None:  # NumPy formats a dtype's name slowly: a few microseconds per buffer
+        name = _DTYPE_NAMES.setdefault(dt, str(dt))
+    label = f"{dims} {name} on {'cpu' if ordinal is None else f'cuda:{ordinal}'}"
+    return chosen, ordinal, dims, dt, round_size(nbytes), label
+
+
+class RemoteAllocator:
+    """Allocates buffers from an Owner in another process (``alloc`` requests over this
+    process's link to it): the client side of a server-owned Manager, and how a loader's
+    workers get slots that the trainer owns. The memory belongs to that Owner; each
+    Buffer here is a lease on it, like any received buffer, so it lives while some
+    process holds it."""
+
+    def __init__(self, address: str, token: bytes, default_backend: str | None = None) -> None:
+        self.address = address
+        self.token = token
+        self.default_backend = default_backend
+
+    def link(self) -> Any:
+        from ._lifetime import link_for
+
+        return link_for(self.address, self.token)
+
+    def empty(self, shape: Any, dtype: Any = "float32", device: Any = None, *, backend: str | None = None) -> Buffer:
+        """An uninitialised buffer, allocated by the Owner for this process."""
+        from ._lifetime import owner_for
+        from ._reduction import rebuild_buffer
+
+        chosen, ordinal, dims, dt, nbytes, label = _allocation_request(
+            shape, dtype, device, backend or self.default_backend
+        )
+        owner = owner_for(self.token)
+        if owner is not None:  # asked in the owner's own process: no request needed
+            from ._buffer import Buffer
+
+            return Buffer(owner.allocate(chosen, nbytes, ordinal, label), 0, dims, dt)
+        uuid = None
+        if ordinal is not None:
+            from . import _cuda
+
+            uuid = _cuda.device_uuid(ordinal)
+        data = self.link().request("alloc", chosen.name, uuid, nbytes, label, dt.str, dims)
+        return rebuild_buffer(data)  # claims the lease the Owner took for this process
 
 
 class _Owning:
@@ -89,18 +148,16 @@ class _Owning:
                     owner = self.owner = Owner(authkey=bytes(current_process().authkey), **self.options)
         return owner
 
-    def server_link(self, fetch: Any) -> Any:
-        """This process's link to the server's Owner (``fetch()`` reads its address once)."""
+    def remote(self, fetch: Any, default_backend: str | None) -> RemoteAllocator:
+        """The server's Owner as an allocator (``fetch()`` reads its address once)."""
         if self.closed:
             raise ManagerClosedError("the Manager was shut down; make a new Manager to allocate buffers")
         if self.server is None:
             with self.lock:
                 if self.server is None:
                     self.server = fetch()
-        from ._lifetime import link_for
-
         address, token = self.server  # type: ignore[misc]
-        return link_for(address, token)
+        return RemoteAllocator(address, token, default_backend)
 
     def shutdown(self, timeout: float | None) -> None:
         """Shut the buffer side down (the server itself is stopped by the caller)."""
@@ -220,31 +277,17 @@ class BufferManager(SyncManager):
     # -- allocation ------------------------------------------------------------
     def empty(self, shape: Any, dtype: Any = "float32", device: Any = None, *, backend: str | None = None) -> Buffer:
         """An uninitialised buffer (contents are whatever the memory held)."""
-        from . import _backends
-        from ._buffer import Buffer, check_dtype, check_shape
-        from ._reduction import rebuild_buffer
+        from ._buffer import Buffer
 
         self._check_started()
-        dims = check_shape(shape)
-        dt = check_dtype(dtype)
-        nbytes = math.prod(dims) * dt.itemsize
-        if nbytes > _MAX_BYTES:
-            raise OutOfMemoryError(f"shape {dims} of {dt} needs {nbytes} bytes, more than any device holds")
-        chosen, ordinal = _backends.resolve(device, backend or self._default_backend)
-        name = _DTYPE_NAMES.get(dt)
-        if name is None:  # NumPy formats a dtype's name slowly: a few microseconds per buffer
-            name = _DTYPE_NAMES.setdefault(dt, str(dt))
-        label = f"{dims} {name} on {'cpu' if ordinal is None else f'cuda:{ordinal}'}"
         if self._owner_mode == "server":
-            uuid = None
-            if ordinal is not None:
-                from . import _cuda
-
-                uuid = _cuda.device_uuid(ordinal)
-            link = self._owning.server_link(self._server_owner)
-            data = link.request("alloc", chosen.name, uuid, round_size(nbytes), label, dt.str, dims)
-            return rebuild_buffer(data)  # claims the lease the server took for this process
-        memory = self._owning.local_owner().allocate(chosen, round_size(nbytes), ordinal, label)
+            return self._owning.remote(self._server_owner, self._default_backend).empty(
+                shape, dtype, device, backend=backend
+            )
+        chosen, ordinal, dims, dt, nbytes, label = _allocation_request(
+            shape, dtype, device, backend or self._default_backend
+        )
+        memory = self._owning.local_owner().allocate(chosen, nbytes, ordinal, label)
         return Buffer(memory, 0, dims, dt)
 
     def zeros(self, shape: Any, dtype: Any = "float32", device: Any = None, *, backend: str | None = None) -> Buffer:
@@ -305,7 +348,7 @@ class BufferManager(SyncManager):
     def stats(self) -> dict[str, Any]:
         """Counts of buffers, bytes, leases and consumers (see docs/design.md)."""
         if self._owner_mode == "server":
-            return dict(self._owning.server_link(self._server_owner).request("stats"))
+            return dict(self._owning.remote(self._server_owner, None).link().request("stats"))
         owner = self._owning.owner
         if owner is None:  # no buffer yet
             return _empty_stats(closed=self._owning.closed)
@@ -314,9 +357,18 @@ class BufferManager(SyncManager):
     def trim(self) -> int:
         """Free every pooled (unused) allocation now; return the bytes freed."""
         if self._owner_mode == "server":
-            return int(self._owning.server_link(self._server_owner).request("trim"))
+            return int(self._owning.remote(self._server_owner, None).link().request("trim"))
         owner = self._owning.owner
         return 0 if owner is None else int(owner.trim())
+
+    def allocator(self) -> Any:
+        """Where another process can allocate buffers owned as this Manager's are, as a
+        :class:`RemoteAllocator` (picklable: ``(address, token)``)."""
+        self._check_started()
+        if self._owner_mode == "server":
+            return self._owning.remote(self._server_owner, self._default_backend)
+        owner = self._owning.local_owner()
+        return RemoteAllocator(owner.address, owner.token, self._default_backend)
 
     @property
     def _owner(self) -> Any:

@@ -16,8 +16,11 @@ Without ``collate_fn``, samples (tensors, NumPy arrays, numbers, and
 tuples/lists/dicts of them, like torch's ``default_collate``) are stacked
 *into* the slot by ``torch.stack(..., out=...)``: a worker that makes its
 samples on the GPU writes each batch once, and the trainer reads it in
-place. With a ``collate_fn``, its result is copied into the slot (one
-device copy in the worker). Slots live on ``device`` (default: the current
+place; samples made on the CPU for a CUDA slot are stacked into the
+worker's page-locked staging and reach the slot by one asynchronous copy,
+ordered before the trainer's reads by the slot's event (no synchronisation
+in the worker). With a ``collate_fn``, its result is copied into the slot
+(one device copy in the worker). Slots live on ``device`` (default: the current
 CUDA device when torch sees one, else host shared memory, and then the
 tensors are CPU tensors viewing it).
 
@@ -89,6 +92,12 @@ def _slot_tensor(writer: SlotWriter, shape: tuple[int, ...], dtype: torch.dtype)
 
 
 def _put_tensor(writer: SlotWriter, tensor: torch.Tensor) -> Any:
+    if tensor.device.type == "cpu":  # through staging for a CUDA slot, like stacked samples
+        layout, tag = _layout_dtype(tensor.dtype)
+        host, buf = writer.staged_empty(tuple(tensor.shape), layout, tag=tag)
+        out = torch.from_numpy(host)
+        (out.view(tensor.dtype) if tag else out).copy_(tensor)
+        return buf
     buf, out = _slot_tensor(writer, tuple(tensor.shape), tensor.dtype)
     out.copy_(tensor)
     return buf
@@ -108,6 +117,14 @@ def _stack(samples: list[Any], writer: SlotWriter) -> Any:
                     f"sample {i} has shape {tuple(sample.shape)}, sample 0 has {shape}: samples of a batch must "
                     "have one shape to be stacked; pad them in the dataset, or pass collate_fn="
                 )
+        if first.device.type == "cpu":
+            # Stacked on the CPU in place: into a host slot, or into page-locked staging that
+            # one asynchronous copy takes to a CUDA slot (see gpushare._batch).
+            layout, tag = _layout_dtype(first.dtype)
+            host, buf = writer.staged_empty((len(samples), *shape), layout, tag=tag)
+            out = torch.from_numpy(host)
+            torch.stack(samples, out=out.view(first.dtype) if tag else out)
+            return buf
         buf, out = _slot_tensor(writer, (len(samples), *shape), first.dtype)
         if first.device == out.device:
             torch.stack(samples, out=out)
@@ -190,8 +207,13 @@ class DataLoader(SlotLoader):
     """A PyTorch DataLoader whose workers build batches in pre-shared slots (see the module docstring).
 
     Arguments as :class:`torch.utils.data.DataLoader` (map-style datasets;
-    ``num_workers`` >= 1), plus ``slots`` per worker, ``slot_bytes``,
-    ``device``, ``backend`` and ``manager`` as :class:`gpushare.SlotLoader`.
+    ``num_workers`` >= 1; ``persistent_workers`` keeps the workers between
+    epochs; ``pin_memory`` page-locks the slots when ``device`` is the CPU,
+    so ``batch.cuda(non_blocking=True)`` is asynchronous; with a CUDA
+    ``device`` batches are already on the GPU, and CPU samples reach it
+    through page-locked staging in the workers), plus ``slots`` per worker,
+    ``slot_bytes``, ``device``, ``backend`` and ``manager`` as
+    :class:`gpushare.SlotLoader`.
     ``timeout=0`` waits forever. Batches are tensors on ``device`` viewing
     the slots; keep a copy (``tensor.clone()``) of what must outlive the
     batch, or raise ``slots``.
@@ -212,6 +234,8 @@ class DataLoader(SlotLoader):
         generator: Any = None,
         *,
         prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        pin_memory: bool = False,
         slots: int = 4,
         slot_bytes: int | None = None,
         device: Any = None,
@@ -244,6 +268,8 @@ class DataLoader(SlotLoader):
             backend=backend,
             collate=_Collate(collate_fn),
             timeout=timeout or None,
+            persistent_workers=persistent_workers,
+            pin_memory=pin_memory,
             manager=manager,
         )
         self.generator = generator

@@ -177,6 +177,130 @@ def test_arrays_keep_their_slot_after_the_epoch_ends(server: mp.BufferManager) -
     wait_until(lambda: no_leases(server), timeout=10)
 
 
+# -- who owns what; persistent workers; stopping clean ---------------------------------------
+
+
+def _my_segments() -> list[str]:
+    return sorted(f for f in os.listdir("/dev/shm") if f.startswith(f"gpushare-{os.getpid()}-"))
+
+
+def test_a_loader_owns_its_slots_in_the_trainer_and_starts_no_server() -> None:
+    before = set(mp.active_children())
+    segments = set(_my_segments())  # earlier tests' leaks on purpose are not this loader's
+    data = mp.SlotLoader(Squares(40), batch_size=4, num_workers=2, slots=2, device="cpu", timeout=60)
+    epoch = iter(data)
+    images, labels, _ = next(epoch)
+    second = next(epoch)  # from the other worker: both rings are registered now
+    started = set(mp.active_children()) - before
+    assert sorted(p.pid for p in started) == sorted(epoch.worker_pids)  # type: ignore[attr-defined]
+    assert labels.numpy().tolist() == [0, 1, 2, 3]
+    # The slots are this process's own shared memory: a worker asked this process to allocate them.
+    assert set(_my_segments()) - segments
+    stats = data.stats()
+    assert stats["slots"] == 4 and stats["slot_bytes"] >= images.nbytes and stats["host_bytes"] >= 4 * images.nbytes
+    pids = epoch.worker_pids  # type: ignore[attr-defined]
+    data.close()
+    wait_until(lambda: all_gone(pids), timeout=15)
+    assert (images.numpy()[:, 0, 0] == [0, 1, 2, 3]).all()  # a batch outlives its loader
+    del images, labels, second, epoch, data
+    wait_until(lambda: set(_my_segments()) <= segments, timeout=15)  # the memory goes with the last batch
+
+
+def test_a_dropped_loader_stops_and_frees_like_a_closed_one() -> None:
+    segments = set(_my_segments())
+    data = mp.SlotLoader(Squares(40), batch_size=4, num_workers=1, slots=2, device="cpu", timeout=60,
+                         persistent_workers=True)  # fmt: skip
+    epoch = iter(data)
+    pids = epoch.worker_pids  # type: ignore[attr-defined]
+    batch = next(epoch)
+    del data, epoch
+    wait_until(lambda: all_gone(pids), timeout=15)  # the loader was collected: its workers stop
+    assert batch[1].numpy().tolist() == [0, 1, 2, 3]
+    del batch
+    wait_until(lambda: set(_my_segments()) <= segments, timeout=15)
+
+
+def test_persistent_workers_keep_their_processes_and_rings_across_epochs() -> None:
+    with mp.SlotLoader(Squares(40), batch_size=4, num_workers=2, slots=2, device="cpu", timeout=60,
+                       persistent_workers=True) as data:  # fmt: skip
+        pids, rings = None, None
+        for number in range(4):
+            epoch = iter(data)
+            if pids is None:
+                pids, rings = epoch.worker_pids, None  # type: ignore[attr-defined]
+            assert epoch.worker_pids == pids  # type: ignore[attr-defined]
+            if number == 1:  # left early: the next epoch must not see its batches
+                assert next(epoch)[1].numpy().tolist() == [0, 1, 2, 3]
+                epoch.close()  # type: ignore[attr-defined]
+                continue
+            labels = [int(v) for _, batch, _ in epoch for v in batch.numpy()]
+            assert labels == list(range(40)), f"epoch {number}: {labels}"
+            if rings is None:
+                rings = list(epoch._rings)  # type: ignore[attr-defined]
+            assert list(epoch._rings) == rings  # type: ignore[attr-defined]  # the same ring objects
+        assert all(not all_gone([pid]) for pid in pids)  # still running between epochs
+    wait_until(lambda: all_gone(pids), timeout=15)  # and stopped by close()
+
+
+def test_pin_memory_without_a_gpu_warns_and_batches_stay_pageable() -> None:
+    if _gpus() > 0:
+        pytest.skip("this machine has a GPU: test_pin_memory_page_locks_the_host_slots covers it")
+    data = mp.SlotLoader(Squares(8), batch_size=4, num_workers=1, device="cpu", timeout=60, pin_memory=True)
+    with pytest.warns(RuntimeWarning, match="pin_memory=True, but host memory cannot be pinned"):
+        batches = [labels.numpy().tolist() for _, labels, _ in data]
+    assert batches == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    data.close()
+
+
+def _gpus() -> int:
+    from gpushare import _cuda
+
+    return _cuda.device_count() if _cuda.available() else 0
+
+
+@pytest.mark.gpu
+def test_pin_memory_page_locks_the_host_slots() -> None:
+    data = mp.SlotLoader(Squares(16), batch_size=4, num_workers=2, device="cpu", timeout=60, pin_memory=True)
+    seen = []
+    for images, labels, _ in data:
+        _, kind = _memory_type(images.ptr)
+        seen.append((labels.numpy().tolist()[0], kind))
+    assert seen == [(0, "host"), (4, "host"), (8, "host"), (12, "host")], seen
+    assert data.stats()["pinned"]
+    data.close()
+
+
+def _memory_type(ptr: int) -> tuple[int, str]:
+    """What the driver says ``ptr`` is: page-locked host memory reads as HOST."""
+    from cuda.bindings import driver
+
+    from gpushare import _cuda
+
+    with _cuda.on_device(0):
+        err, kind = driver.cuPointerGetAttribute(driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, ptr)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        return int(err), "unknown"
+    return 0, "host" if int(kind) == int(driver.CUmemorytype.CU_MEMORYTYPE_HOST) else str(kind)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("persistent", [False, True])
+def test_cpu_samples_reach_a_cuda_slot_through_staging(persistent: bool) -> None:
+    # NumPy samples made on the CPU, slots on the GPU: stacked into page-locked staging
+    # and copied by one asynchronous copy per batch; the values must arrive intact, in
+    # order, batch after batch (the two staging areas used in turn).
+    data = mp.SlotLoader(Squares(400), batch_size=8, num_workers=2, slots=2, device=0, timeout=60,
+                         persistent_workers=persistent)  # fmt: skip
+    for _ in range(2 if persistent else 1):
+        for step, (images, labels, names) in enumerate(data):
+            assert images.device == 0
+            expected = np.arange(8 * step, 8 * step + 8, dtype=np.float32)
+            assert (images.numpy()[:, 1, 2] == expected).all(), step
+            assert labels.numpy().tolist() == expected.astype(int).tolist()
+            assert names == [f"s{i}" for i in expected.astype(int)]
+    data.close()
+
+
 # -- errors -------------------------------------------------------------------------------
 
 
@@ -239,7 +363,7 @@ TRAINER = textwrap.dedent(
         data = mp.SlotLoader(Squares(10000), batch_size=4, num_workers=2, slots=2, device="cpu", timeout=60)
         epoch = iter(data)
         batch = next(epoch)
-        print("pids", *epoch.worker_pids, data.manager._process.pid, flush=True)
+        print("pids", *epoch.worker_pids, flush=True)
         time.sleep(120)
     """
 )
@@ -256,11 +380,11 @@ def test_a_killed_trainer_leaves_no_process_behind() -> None:
             line = trainer.stdout.readline()
             assert line.startswith("pids"), line
             pids = [int(p) for p in line.split()[1:]]
-            assert len(pids) == 3
+            assert len(pids) == 2  # the workers: the loader starts no server
             time.sleep(0.5)  # the workers are now blocked on full rings
             trainer.kill()
             trainer.wait(10)
-            wait_until(lambda: all_gone(pids), timeout=20)  # workers and the Manager's server
+            wait_until(lambda: all_gone(pids), timeout=20)
         finally:
             trainer.kill()
             trainer.wait(10)
@@ -278,9 +402,8 @@ def test_bad_arguments_say_what_to_do(server: mp.BufferManager) -> None:
         mp.SlotLoader(Squares(), batch_size=-1, device="cpu")
     with pytest.raises(TypeError, match="map-style dataset"):
         mp.SlotLoader(iter(range(3)), device="cpu")
-    with pytest.raises(ValueError, match="owner='server'"):
-        with mp.Manager() as own:
-            mp.SlotLoader(Squares(), device="cpu", manager=own)
+    with pytest.raises(ValueError, match="not a gpushare Manager"):
+        mp.SlotLoader(Squares(), device="cpu", manager=object())
 
 
 def test_gpushare_torch_without_torch_says_what_to_do() -> None:

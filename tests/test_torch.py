@@ -127,6 +127,63 @@ def test_torch_dataloader_runs_with_gpushare_workers() -> None:
 # -- CUDA ---------------------------------------------------------------------------------------
 
 
+def test_persistent_workers_and_pin_memory_are_torchs_options() -> None:
+    loader = DataLoader(Ramp(32), batch_size=4, num_workers=2, device="cpu", timeout=60, persistent_workers=True)
+    first = iter(loader)
+    pids = first.worker_pids  # type: ignore[attr-defined]
+    assert [int(labels[0]) for _, labels, _ in first] == list(range(0, 32, 4))
+    second = iter(loader)
+    assert second.worker_pids == pids  # type: ignore[attr-defined]
+    assert [int(labels[0]) for _, labels, _ in second] == list(range(0, 32, 4))
+    loader.close()
+    wait_until(lambda: all_gone(pids), timeout=15)
+    assert DataLoader(Ramp(8), batch_size=4, num_workers=1, device="cpu").persistent_workers is False
+
+
+class Images(torch.utils.data.Dataset):  # type: ignore[misc]
+    """Sample i: a 3x32x32 image made on the CPU (as a decoder makes it), every value i % 251."""
+
+    def __init__(self, n: int, dtype: torch.dtype) -> None:
+        self.n, self.dtype = n, dtype
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return torch.full((3, 32, 32), i % 251, dtype=self.dtype), i
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["uint8", "float32", "bfloat16"])
+def test_cpu_images_arrive_in_cuda_slots_through_page_locked_staging(dtype: str) -> None:
+    # The common case: samples decoded on the CPU, batches wanted on the GPU. The worker
+    # stacks into page-locked staging and copies asynchronously; the trainer's tensors
+    # are CUDA tensors holding exactly what the dataset made, in order, for many batches.
+    kind = getattr(torch, dtype)
+    loader = DataLoader(Images(64 * 40, kind), batch_size=64, num_workers=2, slots=2, device="cuda:0", timeout=60)
+    for step, (images, labels) in enumerate(loader):
+        assert images.is_cuda and images.dtype == kind and images.shape == (64, 3, 32, 32)
+        expected = torch.arange(64 * step, 64 * step + 64) % 251
+        got = images[:, 0, 0, 0].float().cpu()
+        assert torch.equal(got, expected.to(kind).float()), step
+        assert torch.equal(labels.cpu(), torch.arange(64 * step, 64 * step + 64))
+        assert float(images.float().sum()) == float(expected.to(kind).float().sum()) * 3 * 32 * 32
+    stats = loader.stats()
+    assert stats["staging_bytes_per_worker"] == 2 * stats["slot_bytes"]
+    loader.close()
+
+
+@pytest.mark.gpu
+def test_pin_memory_gives_pinned_cpu_batches() -> None:
+    loader = DataLoader(Images(16, torch.uint8), batch_size=4, num_workers=1, device="cpu", timeout=60,
+                        pin_memory=True)  # fmt: skip
+    for images, labels in loader:
+        assert images.device.type == "cpu" and images.is_pinned()
+        moved = images.cuda(non_blocking=True)
+        assert int(moved[0, 0, 0, 0]) == int(labels[0]) % 251
+    loader.close()
+
+
 @pytest.mark.gpu
 def test_gpu_batches_are_cuda_tensors_written_in_place_by_the_workers(server: mp.BufferManager) -> None:
     loader = DataLoader(Ramp(96, width=1024, device="cuda"), batch_size=8, num_workers=3, slots=2, device=0,

@@ -12,6 +12,7 @@ import os
 import select
 import socket
 import time
+import weakref
 from collections.abc import Iterator
 from multiprocessing import AuthenticationError, connection, current_process, reduction
 from multiprocessing.reduction import ForkingPickler
@@ -28,6 +29,20 @@ from ._wire import CLOSED, META, REGISTER_TIMEOUT, SPIN_LOOKS, Frames, SpinPolic
 __all__ = ["RingConsumer", "attach"]
 
 log = logging.getLogger("gpushare")
+
+
+def _close_handles(handles: list[Any]) -> None:
+    """A consumer end collected without close(): its raw fds and its channel."""
+    for handle in handles:
+        try:
+            if isinstance(handle, int):
+                if handle >= 0:
+                    os.close(handle)
+            else:
+                handle.close()
+        except OSError:
+            pass
+    handles.clear()
 
 
 def attach(address: str, info: dict[str, Any]) -> RingConsumer:
@@ -74,6 +89,10 @@ class RingConsumer:
         self._release_events: list[Any] = []  # ours, recorded at each release (CUDA)
         self._error: tuple[type[GpushareError], str] | None = None
         self._closed: str | None = None
+        # Raw fds and the channel: closed by _shut, or, for an end dropped without close(),
+        # when it is collected (no item of it is alive then: items refer to their end).
+        self._handles: list[Any] = []
+        weakref.finalize(self, _close_handles, self._handles).atexit = False  # at exit the process closes them
         try:
             self._register()
         except GpushareError as exc:
@@ -100,6 +119,7 @@ class RingConsumer:
                 self._channel = Channel.attach(fd, self.slots)
             except ValueError as exc:
                 raise OSError(str(exc)) from exc
+            self._handles += [self._wake, self._release_fd, self._channel]
             self._device = self._buffers[0].device if self._buffers else "cpu"
             handles = self._cuda_events(reply[2])
             conn.send(("ready", handles))
@@ -354,6 +374,7 @@ class RingConsumer:
         self._poller = None
         channel, self._channel = self._channel, None
         wake, release_fd, self._wake, self._release_fd = self._wake, self._release_fd, -1, -1
+        self._handles.clear()  # closed here, below: not again by the finalizer
         buffers, self._buffers = self._buffers, []
         self._views = []
         # Items still out keep their slot's Buffer until they go (_on_release). _orphans

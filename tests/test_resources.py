@@ -1,0 +1,256 @@
+"""Everything that owns something gives it all back: one accounting test per owner.
+
+Each owner -- a Manager (both owner modes), a ring, a Queue, a Pool, a
+SlotLoader and the torch DataLoader (persistent workers or not) -- is made,
+used and dropped 20 times in this process, once ended explicitly
+(``close()`` / ``with``) and once only dropped (the last reference goes).
+Afterwards these are back to what they were before the first one:
+
+* child processes (multiprocessing's own resource tracker aside);
+* open file descriptors;
+* threads;
+* ``/dev/shm`` entries and gpushare's socket directories made by this process;
+* device memory, on a GPU (every CUDA backend).
+
+A buffer's Ray form is accounted the same way in ``test_ray.py`` (it needs
+a Ray cluster). On the host backend this runs in CI; the CUDA backends run
+on a GPU machine (``--require-gpu``).
+"""
+
+from __future__ import annotations
+
+import gc
+import glob
+import os
+import pickle
+import tempfile
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import BACKENDS, device_for, wait_until
+
+import gpushare as mp
+from gpushare import _cuda
+
+ROUNDS = 20
+
+
+# -- what a process holds ----------------------------------------------------------------
+
+
+def _children() -> list[int]:
+    tracker = getattr(__import__("multiprocessing.resource_tracker").resource_tracker._resource_tracker, "_pid", None)
+    pids = []
+    for proc in mp.active_children():
+        if proc.pid != tracker:
+            pids.append(proc.pid)
+    try:  # children not started through multiprocessing (a Manager's server is one of its processes)
+        with open(f"/proc/{os.getpid()}/task/{os.getpid()}/children") as f:
+            pids += [int(p) for p in f.read().split() if int(p) != tracker]
+    except OSError:
+        pass
+    return sorted(set(pids))
+
+
+def _holdings(device: int | str) -> dict[str, Any]:
+    me = os.getpid()
+    held = {
+        "children": _children(),
+        "fds": len(os.listdir("/proc/self/fd")),
+        "threads": sorted(t.name for t in threading.enumerate()),
+        "shm": sorted(glob.glob(f"/dev/shm/gpushare-{me}-*")),
+        "sockets": sorted(glob.glob(os.path.join(tempfile.gettempdir(), f"gpushare-*-{me}-*"))),
+    }
+    if isinstance(device, int):
+        held["device_free"] = _cuda.mem_info(device)[0]
+    return held
+
+
+def _back_to(baseline: dict[str, Any], device: int | str) -> Callable[[], bool]:
+    def same() -> bool:
+        gc.collect()
+        now = _holdings(device)
+        if isinstance(device, int):
+            # The driver frees in 2 MiB steps and may keep one granule: tolerate it.
+            if abs(now.pop("device_free") - baseline["device_free"]) > (2 << 20):
+                return False
+        return all(now[k] == baseline[k] for k in now)
+
+    return same
+
+
+def account(make_and_use: Callable[[bool], None], device: int | str, timeout: float = 30.0) -> None:
+    """Run ``make_and_use(close)`` ROUNDS times with close=True, then with close=False;
+    everything must come back each time (within ``timeout``). One round first, not
+    counted: what a process makes once and keeps (multiprocessing's resource tracker
+    and its pipe, the CUDA context, a lazily loaded module's state) is not a leak."""
+    before = _holdings(device)
+    make_and_use(True)
+
+    def settled() -> bool:  # the warm-up's processes and threads ended (its fds may stay)
+        gc.collect()
+        now = _holdings(device)
+        return now["children"] == before["children"] and now["threads"] == before["threads"]
+
+    for close in (True, False):
+        wait_until(settled, timeout=timeout, interval=0.1)
+        baseline = _holdings(device)
+        for _ in range(ROUNDS):
+            make_and_use(close)
+        same = _back_to(baseline, device)
+        try:
+            wait_until(same, timeout=timeout, interval=0.1)
+        except BaseException:
+            gc.collect()
+            now = _holdings(device)
+            diff = {k: (baseline.get(k), now[k]) for k in now if baseline.get(k) != now[k]}
+            pytest.fail(f"close={close}: not given back after {ROUNDS} rounds: {diff}")
+
+
+# -- the owners ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("owner", ["process", "server"])
+@pytest.mark.timeout(240)
+def test_managers(backend: str, owner: str) -> None:
+    device = device_for(backend)
+
+    def once(close: bool) -> None:
+        m = mp.Manager(owner=owner, release_timeout=2.0)
+        buf = m.full((1024,), 3.0, device=device, backend=backend)
+        twin = pickle.loads(pickle.dumps(buf))  # a lease, claimed here
+        assert float(twin.numpy()[0]) == 3.0
+        twin.release()
+        buf.release()
+        if close:
+            m.shutdown()
+        del m, buf, twin
+
+    account(once, device)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rings(backend: str, manager: mp.BufferManager) -> None:
+    device = device_for(backend)
+    manager.empty((4,), device=device, backend=backend).release()  # the Manager's own first allocation
+
+    def once(close: bool) -> None:
+        ring = manager.ring((256,), "float32", device, slots=2, backend=backend)
+        consumer = pickle.loads(pickle.dumps(ring))  # registers a consumer in this process
+        buf = ring.acquire(timeout=10)
+        ring.publish(buf, meta=1, timeout=10)
+        item = consumer.get(timeout=10)
+        assert item.meta == 1
+        item.release()
+        if close:
+            consumer.close()
+            ring.close()
+        del ring, consumer, buf, item
+
+    account(once, device)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_queues(backend: str, manager: mp.BufferManager) -> None:
+    device = device_for(backend)
+    buf = manager.full((256,), 1.0, device=device, backend=backend)
+
+    def once(close: bool) -> None:
+        q = mp.Queue()
+        q.put(buf)
+        q.put({"n": 1})
+        got = q.get(timeout=10)
+        assert q.get(timeout=10) == {"n": 1}
+        got.release()
+        if close:
+            q.close()
+            q.join_thread()
+        del q, got
+
+    account(once, device)
+    buf.release()
+
+
+def _square(x: int) -> int:
+    return x * x
+
+
+def test_pools() -> None:
+    def once(close: bool) -> None:
+        if close:
+            with mp.Pool(1) as pool:
+                assert pool.map(_square, range(4)) == [0, 1, 4, 9]
+            return
+        pool = mp.Pool(1)
+        assert pool.map(_square, range(4)) == [0, 1, 4, 9]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)  # "unclosed running multiprocessing pool"
+            del pool
+            gc.collect()
+
+    account(once, "cpu")
+
+
+class Arrays:
+    """Sample i: a (2, 8) float32 array of i (module level: workers unpickle it)."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return np.full((2, 8), i, np.float32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("persistent", [False, True], ids=["per-epoch", "persistent"])
+@pytest.mark.timeout(300)
+def test_slot_loaders(backend: str, persistent: bool) -> None:
+    device = device_for(backend)
+
+    def once(close: bool) -> None:
+        loader = mp.SlotLoader(
+            Arrays(), batch_size=4, num_workers=1, slots=2, device=device, backend=backend, timeout=60,
+            persistent_workers=persistent,
+        )  # fmt: skip
+        assert [float(b.numpy()[0, 0, 0]) for b in loader] == [0.0, 4.0]
+        kept = next(iter(loader))  # a second epoch; a batch the loader handed out outlives it
+        if close:
+            loader.close()
+        del loader
+        gc.collect()
+        assert float(kept.numpy()[0, 0, 0]) == 0.0
+        del kept
+
+    account(once, device, timeout=60)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("persistent", [False, True], ids=["per-epoch", "persistent"])
+@pytest.mark.timeout(600)
+def test_torch_data_loaders(backend: str, persistent: bool) -> None:
+    torch = pytest.importorskip("torch")
+    from gpushare.torch import DataLoader
+
+    device = device_for(backend)
+
+    def once(close: bool) -> None:
+        loader = DataLoader(
+            Arrays(), batch_size=4, num_workers=1, slots=2, device=device, backend=backend, timeout=60,
+            persistent_workers=persistent,
+        )  # fmt: skip
+        sums = [float(b.sum()) for b in loader]
+        assert sums == [float(torch.arange(4).sum() * 16), float(torch.arange(4, 8).sum() * 16)]
+        kept = next(iter(loader))  # a second epoch; a batch the loader handed out outlives it
+        if close:
+            loader.close()
+        del loader
+        gc.collect()
+        assert float(kept[0, 0, 0]) == 0.0
+        del kept
+
+    account(once, device, timeout=60)
