@@ -6,11 +6,16 @@ checks the three report files' shape, not the figures.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -292,3 +297,219 @@ def test_raw_references_open_close_and_free_everything(mechanism: str) -> None:
     assert len(os.listdir("/proc/self/fd")) == fds_before, "an fd was left open"
     if raw.kind == "pool":
         assert driver.events == ["pool_create", "pool_import", "trim", "trim", "trim", "pool_destroy"]
+
+
+# -- startup: fresh interpreters against the stdlib ------------------------------------------------
+
+
+def _startup_bench(tmp_path: Path) -> Any:
+    """A Bench planned with the startup scenario alone, on the host backend (the floors are
+    not planned: the startup rows are their own floors)."""
+    from gpushare.bench.runner import Bench
+
+    cfg = dataclasses.replace(
+        cli._parse(["--backend", "host", "--quick", "--out", str(tmp_path)]), only=frozenset({"startup"})
+    )
+    bench = Bench(cfg)
+    bench.probe()
+    bench.plan()
+    return bench
+
+
+def _leftover_scripts(tmp: Path) -> list[str]:
+    return [p.name for p in tmp.iterdir() if p.name.startswith("gpushare-bench-startup-")]
+
+
+def test_startup_times_fresh_interpreters_and_reports_rows_and_targets(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole scenario on the host with tiny counts: every CPU row has gpushare and its
+    stdlib floor from real interpreters, the GPU rows are skipped with the reason, the
+    targets are judged in both reports, and no script is left behind."""
+    from gpushare.bench.scenarios import startup
+
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # where the scripts' directories go
+    monkeypatch.setattr(startup, "QUICK", startup.Counts(imports=2, interpreters=1, starts=3, firsts=1, warmup=0))
+    bench = _startup_bench(tmp_path)
+    assert [t.row for t in bench.tasks] == list(startup.ROWS)
+    bench.run()
+    cli.write_reports(bench, str(tmp_path))
+    assert _leftover_scripts(scratch) == []
+
+    report = json.loads((tmp_path / "benchmarks.json").read_text(encoding="utf-8"))
+    assert list(report["scenarios"]) == ["startup"]
+    scenario = report["scenarios"]["startup"]
+    assert scenario["rows"] == list(startup.ROWS)
+    assert scenario["row_errors"] == {}, scenario["row_errors"]
+    cells = {name: series["cells"] for name, series in scenario["systems"].items()}
+    # How many samples each row has: 2 imports each; 1 script of 3 pairs = 2 steady + 1 first; 1 first buffer.
+    expected = {
+        startup.IMPORT: 2,
+        startup.PROCESS: 2,
+        startup.PROCESS_FIRST: 1,
+        startup.MANAGER: 2,
+        startup.MANAGER_FIRST: 1,
+        startup.FIRST_HOST: 1,
+    }
+    for row, n in expected.items():
+        for name in (startup.GPUSHARE, startup.FLOOR):
+            assert cells[name][row]["n"] == n, (name, row, cells[name])
+            assert cells[name][row]["median_us"] > 0
+    assert sorted(cells[startup.BARE]) == [startup.IMPORT]
+    assert startup.CUDA_ALONE not in cells  # no column for a reference that cannot run here
+    for row in (startup.GPU_PROCESS, startup.FIRST_DEVICE):
+        assert "host backend" in scenario["row_skips"][row], scenario["row_skips"]
+        assert all(row not in by_row for by_row in cells.values())
+    targets = scenario["targets"]
+    assert {row: t["limit"] for row, t in targets.items()} == {
+        startup.IMPORT: 1.5,
+        startup.PROCESS: 1.25,
+        startup.MANAGER: 1.5,
+    }
+    for row, target in targets.items():
+        ratio = cells[startup.GPUSHARE][row]["median_us"] / cells[startup.FLOOR][row]["median_us"]
+        assert target["met"] == {startup.GPUSHARE: ratio <= target["limit"]}, (row, ratio, target)
+
+    markdown = (tmp_path / "benchmarks.md").read_text(encoding="utf-8")
+    assert startup.HOW in markdown
+    lines = {line.split(" | ")[0].lstrip("| "): line for line in markdown.splitlines() if line.startswith("| ")}
+    assert lines["timed"].startswith(
+        "| timed | floor (multiprocessing) | gpushare | bare interpreter (pass) | gpushare / floor | target |"
+    )
+    assert lines["timed"].endswith("| gpushare: target |")
+    for row in (startup.IMPORT, startup.PROCESS, startup.MANAGER):
+        goal = f"<= {targets[row]['limit']:g}x floor"
+        verdict = "met" if targets[row]["met"][startup.GPUSHARE] else "not met"
+        assert lines[row].endswith(f"| {goal} | {verdict} |"), lines[row]
+    for row in (startup.PROCESS_FIRST, startup.MANAGER_FIRST, startup.FIRST_HOST):
+        assert lines[row].endswith("| - | - |"), lines[row]  # reported, not judged
+    assert "- Targets (median): timed import: <= 1.5x the multiprocessing floor;" in markdown
+    assert f"- timed {startup.GPU_PROCESS}: skipped: run with the host backend" in markdown
+    assert f"- timed {startup.FIRST_DEVICE}: skipped: run with the host backend" in markdown
+
+
+def test_startup_row_whose_scripts_fail_records_the_error_and_the_run_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpushare.bench.scenarios import startup
+
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    monkeypatch.setattr(startup, "QUICK", startup.Counts(imports=1, interpreters=1, starts=2, firsts=1, warmup=0))
+    broken = dict(startup._HEADERS, gpushare="import gpushare_no_such_module as mp\n")
+    monkeypatch.setattr(startup, "_HEADERS", broken)
+    bench = _startup_bench(tmp_path)
+    bench.run()
+    assert _leftover_scripts(scratch) == []
+    scenario = bench.scenarios["startup"]
+    for row in (startup.PROCESS, startup.MANAGER, startup.FIRST_HOST):
+        error = scenario.row_errors[row]
+        assert "exited with code 1" in error and "gpushare_no_such_module" in error, error
+    for row, source in ((startup.PROCESS_FIRST, startup.PROCESS), (startup.MANAGER_FIRST, startup.MANAGER)):
+        assert f"the row {source!r}, which did not run or failed" in scenario.row_errors[row]
+    assert scenario.systems[startup.GPUSHARE].cells[startup.IMPORT].n == 1  # the import row ran
+    assert not any(startup.PROCESS in s.cells for s in scenario.systems.values())  # no half row
+
+
+def test_startup_script_that_overruns_is_killed_with_its_children(tmp_path: Path) -> None:
+    """A script past its timeout is killed with the process it started; a failing script's
+    error names its cause; output that is not samples is refused."""
+    from gpushare.bench.scenarios import startup
+    from gpushare.bench.settings import BenchError
+
+    env = startup.checkout_env()
+    pidfile = tmp_path / "child.pid"
+    hangs = tmp_path / "hangs.py"
+    hangs.write_text(
+        "import subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'])\n"
+        f"open({str(pidfile)!r}, 'w').write(str(child.pid))\n"
+        "time.sleep(300)\n",
+        encoding="utf-8",
+    )
+    started = time.monotonic()
+    with pytest.raises(BenchError, match="did not finish within 3 s"):
+        startup.run_script(hangs, {}, env, timeout=3)
+    assert time.monotonic() - started < 30
+    child = int(pidfile.read_text())
+    deadline = time.monotonic() + 10
+    try:
+        while _running(child):
+            assert time.monotonic() < deadline, f"the script's child {child} outlived it"
+            time.sleep(0.05)
+    finally:
+        if _running(child):
+            os.kill(child, signal.SIGKILL)  # a survivor must not outlive the test
+
+    fails = tmp_path / "fails.py"
+    fails.write_text("raise SystemExit('boom: the consumer failed')\n", encoding="utf-8")
+    with pytest.raises(BenchError, match=r"fails.py exited with code 1: boom: the consumer failed"):
+        startup.run_script(fails, {}, env)
+    silent = tmp_path / "silent.py"
+    silent.write_text("print('no samples here')\n", encoding="utf-8")
+    with pytest.raises(BenchError, match="printed no samples"):
+        startup.run_script(silent, {}, env)
+    negative = tmp_path / "negative.py"
+    negative.write_text("print('[5, -1]')\n", encoding="utf-8")
+    with pytest.raises(BenchError, match="not a list of positive ints"):
+        startup.run_script(negative, {}, env)
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie waiting for its reaper counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_startup_scripts_are_what_the_report_says() -> None:
+    """The scripts compile; gpushare's import it as mp, the floor's take the stdlib's spawn
+    context; targets live in the script (a spawned child re-imports it); the CUDA reference
+    uses cuda.bindings directly and gpushare's scripts never do."""
+    from gpushare.bench.scenarios import startup
+
+    for system in (startup.GPUSHARE, startup.FLOOR):
+        for source in (
+            startup.starts_script(system),
+            startup.manager_script(system),
+            startup.first_buffer_script(system),
+        ):
+            compile(source, f"<{system}>", "exec")
+            assert "cuda.bindings" not in source
+            assert ("import gpushare as mp\n" in source) == (system == startup.GPUSHARE)
+            assert ('mp = multiprocessing.get_context("spawn")\n' in source) == (system == startup.FLOOR)
+            assert 'if __name__ == "__main__":\n    main(json.loads(sys.argv[1]))' in source
+        assert "\ndef target():\n    pass\n" in startup.starts_script(system)
+    cuda = startup.starts_script(startup.FLOOR, cuda_target=True)
+    alone = startup.context_alone_script()
+    for source in (cuda, alone):
+        compile(source, "<cuda>", "exec")
+        assert "gpushare" not in source
+        for call in ("cuInit", "cuDeviceGet", "cuDevicePrimaryCtxRetain", "cuCtxSetCurrent"):
+            assert f"driver.{call}(" in source
+    assert "\ndef target(ordinal):\n    make_cuda_context(ordinal)\n" in cuda
+    with pytest.raises(ValueError, match="starts=1"):
+        startup.Counts(imports=1, interpreters=1, starts=1, firsts=1)
+
+
+@pytest.mark.gpu
+def test_startup_gpu_rows_run_on_a_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The two GPU rows with tiny counts: every system gives positive samples."""
+    from gpushare.bench.scenarios import startup
+
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    counts = startup.Counts(imports=1, interpreters=1, starts=2, firsts=1, warmup=0)
+    processes = startup.time_gpu_processes(counts)
+    assert sorted(processes) == sorted([startup.GPUSHARE, startup.CUDA_ALONE, startup.FLOOR])
+    first = startup.time_first_device_buffer(counts)
+    assert sorted(first) == sorted([startup.GPUSHARE, startup.CUDA_ALONE])
+    for samples in (*processes.values(), *first.values()):
+        assert len(samples) == 1 and samples[0] > 0
+    assert _leftover_scripts(scratch) == []

@@ -26,6 +26,20 @@ What one iteration is, per scenario (one producer, N consumer processes):
     waits for every ack. No handoff can cost less than this notification,
     so every other table is read as a ratio to the Queue floor (``ring``:
     to the Pipe floor, whose acks it shares).
+``startup``
+    Not an iteration: what a script meets before any buffer moves, each row timed in
+    fresh interpreters against the stdlib's spawn start method, the systems of a row
+    alternating. ``import gpushare`` against ``import multiprocessing`` (and ``pass``):
+    whole interpreters, timed around ``subprocess.run``. In small scripts run as their own
+    interpreters (their targets defined in the script, which a spawned child re-imports):
+    ``mp.Process(target=target)`` start+join and ``mp.Manager()`` start+shutdown, several
+    per script, each script's first pair its own row (``... first in a new
+    interpreter``); the first 2 MiB host buffer from ``m.empty()`` to a consumer started
+    before timing, against a small tuple on the stdlib's Queue. With a GPU,
+    ``Process(device=0)`` start+join and the first device buffer (cold: the producer's
+    context creation included) next to a CUDA context made alone with cuda.bindings.
+    Targets, met / not met per row: import <= 1.5x, Process start+join <= 1.25x,
+    Manager start+shutdown <= 1.5x the stdlib; none on the GPU rows.
 ``handoff_recycled`` / ``handoff_fresh``
     The Queue-floor pattern carrying a 1 MiB buffer instead of the tuple:
     the producer puts the buffer once per consumer; a consumer gets it,

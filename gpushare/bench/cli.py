@@ -86,8 +86,8 @@ def _parse(argv: list[str] | None) -> Config:
         prog="python -m gpushare.bench",
         description="Measure gpushare's buffer handoff (one column per backend) against multiprocessing floors, "
         "torch.multiprocessing and cuda.core, its ring's fan-out and pipelined throughput, and the bandwidth of "
-        "kernels reading mapped memory (same GPU; peer GPU with two); write benchmarks.md, benchmarks.json and "
-        "benchmarks.png.",
+        "kernels reading mapped memory (same GPU; peer GPU with two), and its start-up (import, Process, Manager, "
+        "first buffer) against the stdlib's; write benchmarks.md, benchmarks.json and benchmarks.png.",
     )
     parser.add_argument("--out", default="docs", help="directory for the reports (default: docs)")
     parser.add_argument("--quick", action="store_true", help="fewer iterations, for smoke and CI runs")

@@ -225,11 +225,16 @@ class Bench:
     def _record(self, scenario: Scenario, system: str | None, row: str, samples: Samples, took: float) -> str:
         """Pool one run's samples into its cell(s); return the progress line (this run's own figures)."""
         if isinstance(samples, dict):
+            for values in samples.values():
+                _check_samples(values)  # all of them before any is pooled: a row is recorded whole or not at all
             parts = []
             for name, values in samples.items():
-                _check_samples(values)
                 self._pool(scenario, name, row, values)
-                parts.append(f"{name} {_fmt_gbps(_gbps(scenario, Cell.of(values)))} GB/s")
+                cell = Cell.of(values)
+                if scenario.kind in ("throughput", "kernel"):
+                    parts.append(f"{name} {_fmt_gbps(_gbps(scenario, cell))} GB/s")
+                else:
+                    parts.append(f"{name} median {cell.median_us:.1f} us")
             return f"{'; '.join(parts)} ({took:.1f} s)"
         if system is None:
             raise BenchError("a task that fills several systems must return samples per system")

@@ -14,6 +14,7 @@ from types import ModuleType
 #: Module names under this package, in the order their scenarios are planned and reported.
 MODULES = (
     "floors",
+    "startup",
     "handoff",
     "ring",
     "throughput",
