@@ -1,4 +1,4 @@
-"""The per-handoff queries that keep the GIL (``gpushare._cuda._Queries``), without a GPU.
+"""The per-handoff queries that keep the GIL (``gpushare._cuda._queries._Queries``), without a GPU.
 
 A stand-in driver library, compiled here from C, exports the three symbols
 with the driver's signatures; the tests load it the way ``_cuda`` loads
@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from gpushare._cuda import _Queries
+from gpushare._cuda._queries import _Queries
 
 CURRENT = 0x1234  # the stand-in's current context
 SLOW_STREAM = 0x77  # a stream whose query takes SLOW_S in C

@@ -1,0 +1,76 @@
+"""The per-handoff queries that keep the GIL, called through ``ctypes.PyDLL``.
+
+cuda-bindings releases the GIL around every driver call. For
+``cuCtxGetCurrent``, ``cuStreamQuery`` and ``cuEventQuery``, which never block
+and last about a microsecond, that lets another thread (a Queue's feeder, woken
+by the put before) take the GIL in the middle of a put. :class:`_Queries`
+calls these three on the driver library cuda-bindings already loaded, with the
+GIL held. :func:`gpushare._cuda._driver._load` makes one when the driver loads
+(so this module, and ctypes, are imported then, not with the package).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing
+if TYPE_CHECKING:
+    from typing import Any
+
+_CUDA_SUCCESS = 0
+_CUDA_ERROR_NOT_READY = 600
+
+
+class _Queries:
+    """``cuCtxGetCurrent``, ``cuStreamQuery`` and ``cuEventQuery`` called with the GIL held.
+
+    ``ctypes.PyDLL`` calls a C function without releasing the GIL. The library is the
+    ``libcuda.so.1`` cuda-bindings already loaded in this process
+    (``RTLD_NOLOAD`` never loads a second copy), so its handles are valid here.
+    Not used when cuda-bindings runs on the per-thread default stream
+    (``CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM``), since these plain symbols
+    name the legacy one.
+    """
+
+    __slots__ = ("ctx", "event", "stream")
+
+    def __init__(self, lib: Any) -> None:
+        self.ctx = lib.cuCtxGetCurrent
+        self.ctx.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+        self.stream = lib.cuStreamQuery
+        self.event = lib.cuEventQuery
+        for fn in (self.stream, self.event):
+            fn.argtypes = [ctypes.c_void_p]
+        for fn in (self.ctx, self.stream, self.event):
+            fn.restype = ctypes.c_int
+
+    @classmethod
+    def load(cls, library: str = "libcuda.so.1") -> _Queries | None:
+        """The queries on the driver library already loaded, or None (use cuda-bindings)."""
+        if os.environ.get("CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM", "0") not in ("", "0"):
+            return None
+        no_load = getattr(os, "RTLD_NOLOAD", None)
+        if no_load is None:  # no way to ask for the copy already loaded only
+            return None
+        try:
+            return cls(ctypes.PyDLL(library, mode=no_load | ctypes.RTLD_LOCAL))
+        except (OSError, AttributeError):  # not loaded under that name, or not a CUDA driver
+            return None
+
+    def done(self, key: int | None, query: Any, handle: int) -> bool | None:
+        """``query(handle)`` when the primary context ``key`` is current on this thread:
+        True when done, False when not yet; None when this cannot answer (another
+        context current, or an error: the caller asks again through cuda-bindings,
+        which sets the context or reports the error with its name)."""
+        if key is None:
+            return None
+        current = ctypes.c_void_p()
+        if self.ctx(current) != _CUDA_SUCCESS or current.value != key:
+            return None
+        err = query(handle)
+        if err == _CUDA_SUCCESS:
+            return True
+        if err == _CUDA_ERROR_NOT_READY:
+            return False
+        return None
