@@ -387,10 +387,12 @@ def test_buffer_on_second_gpu_used_by_worker_on_first(manager: mp.BufferManager,
 def test_queries_keep_the_gil_and_agree_with_the_bindings() -> None:
     """``stream_idle`` and ``event_done`` answer through the GIL-keeping queries on the
     driver cuda-bindings loaded, and give cuda-bindings' own answers, busy and idle."""
+    from gpushare._cuda import _driver, _streams
+
     torch = require("torch")
     t = torch.zeros(1 << 20, device="cuda:0")
     event, _ = _cuda.event_create_ipc(0)  # loads the driver here, if no test did before
-    queries, driver = _cuda._queries, _cuda._driver
+    queries, driver = _driver._queries, _driver._bindings
     assert queries is not None, "libcuda.so.1 was not found for the GIL-keeping queries"
     try:
         for busy in (True, False):
@@ -399,14 +401,14 @@ def test_queries_keep_the_gil_and_agree_with_the_bindings() -> None:
             _cuda.event_record(event, 0)  # behind the kernel when busy
             if not busy:
                 torch.cuda.synchronize()  # the record itself done too
-            key = _cuda._primary_ints[0]
+            key = _driver._primary_ints[0]
             answers = {
                 "stream, kept": queries.done(key, queries.stream, 0),
                 "event, kept": queries.done(key, queries.event, int(event)),
-                "stream, bindings": _cuda._finished(
-                    driver, 0, "cuStreamQuery", driver.cuStreamQuery, _cuda._stream(driver, 0)
+                "stream, bindings": _streams._finished(
+                    driver, 0, "cuStreamQuery", driver.cuStreamQuery, _driver._stream(driver, 0)
                 ),
-                "event, bindings": _cuda._finished(driver, 0, "cuEventQuery", driver.cuEventQuery, event),
+                "event, bindings": _streams._finished(driver, 0, "cuEventQuery", driver.cuEventQuery, event),
                 "stream_idle": _cuda.stream_idle(0),
                 "event_done": _cuda.event_done(event, 0),
             }
