@@ -199,7 +199,7 @@ class BufferManager(SyncManager):
                 for ring in list(rings):
                     ring.close()  # consumers give their slot leases back
                 for tensor_set in list(tensor_sets):
-                    tensor_set.close()  # readers learn it at their next wait
+                    tensor_set._shutdown()  # readers waiting for a version let go of theirs
                 owning.shutdown(timeout)
             finally:
                 server_shutdown()

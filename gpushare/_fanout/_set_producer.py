@@ -506,11 +506,15 @@ class SetProducer:
                 "closed": self.closed is not None,
             }
 
-    def close(self, reason: str) -> None:
+    def close(self, reason: str, offer: bool = True) -> None:
+        """End the set. ``offer``: readers may still take the latest version (a Manager that
+        shuts down offers nothing: its memory is about to go, and readers let theirs go at once)."""
         with self._lock:
             if self.closed is not None:
                 return
             self.closed = reason
+            if not offer:
+                self._latest = -1
             wakes = [r.wake for r in self._readers.values() if r.wake >= 0]
         for fd in wakes:  # each reader's thread tells its reader, then ends
             poke(fd)

@@ -339,6 +339,10 @@ class TensorSet:
         :class:`~gpushare.TensorSetClosedError`. Idempotent; never blocks on readers."""
         self._core.close("the trainer called close()")
 
+    def _shutdown(self) -> None:
+        """The Manager shuts down: end the set, offering no last version (readers let go at once)."""
+        self._core.close("its Manager was shut down", offer=False)
+
     def __enter__(self) -> TensorSet:
         return self
 
