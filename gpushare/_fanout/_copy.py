@@ -30,6 +30,17 @@ Then one of two paths copies them:
   host memory is involved the host waits for ``done`` before returning:
   the host side must be valid (targets) or free to change (sources) then.
 
+Checking 200 tensors costs about a millisecond of Python, which is as long
+as copying a billion parameters takes the GPU, and an engine or a trainer
+passes the same tensors every time. So each layout remembers the last few
+mappings it checked (:class:`Plan`: weak references to the objects, their
+regions, and the address lists built from them per version): a mapping whose
+values are the same objects as a plan's, each torch tensor still at the same address with
+the same size and dtype (``.data`` may have been replaced), reuses that plan.
+A NumPy array or a CUDA array object cannot move, so its identity is enough;
+what cannot be trusted later (a source copied to make it contiguous, a CUDA
+array whose exporter asked for a stream sync) is never remembered.
+
 Private streams and events live as long as the process (one set per device,
 shared by every tensor set, like the CAI ordering stream of
 :mod:`gpushare._interop`); the later record of the shared ``done`` event
@@ -42,6 +53,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
@@ -51,7 +63,9 @@ from .. import _cuda
 from .._errors import LayoutError
 from ._layout import Layout, TensorSpec
 
-__all__ = ["CopyStream", "Region", "copy_regions", "copy_stream", "region_of", "regions", "stream_handle"]
+__all__ = ["CopyStream", "Plan", "Region", "copy_regions", "copy_stream", "region_of", "regions", "stream_handle"]
+
+_PLANS = 4  # mappings remembered per layout
 
 
 class Region(NamedTuple):
@@ -104,26 +118,31 @@ def _mismatch(spec: TensorSpec, what: str, problem: str, fix: str) -> LayoutErro
     )
 
 
-def region_of(obj: Any, spec: TensorSpec, *, writable: bool, what: str) -> tuple[Region, Any]:
-    """``obj``'s memory for ``spec``, checked; and what must stay alive while it is copied.
+def region_of(obj: Any, spec: TensorSpec, *, writable: bool, what: str) -> tuple[Region, Any, Any]:
+    """``obj``'s memory for ``spec``, checked; what must stay alive while it is copied; and how
+    a plan rechecks it later (None: it cannot be remembered, ``()``: its identity is enough,
+    else ``(address, numel, dtype)`` of a torch tensor).
 
     ``writable``: ``obj`` is a target. ``what`` names the role in messages ("source", "target").
     """
     data_ptr = getattr(obj, "data_ptr", None)
     if callable(data_ptr) and hasattr(obj, "element_size") and hasattr(obj, "is_contiguous"):
-        return _tensor_region(obj, spec, what), obj
+        region = _tensor_region(obj, spec, what)
+        return region, obj, (region.ptr, obj.numel(), obj.dtype)
     if isinstance(obj, np.ndarray):
-        return _host_region(obj, spec, writable, what)
+        region, kept = _host_region(obj, spec, writable, what)
+        return region, kept, () if kept is obj else None
     cai = getattr(obj, "__cuda_array_interface__", None)
     if cai is not None:
-        return _cai_region(cai, spec, writable, what), obj
+        return _cai_region(cai, spec, writable, what), obj, None if cai.get("stream") else ()
     if not writable and not isinstance(obj, (str, bytes)):
         try:  # a source may be anything NumPy reads (a list, a host Buffer, an ml_dtypes array)
             array = np.asarray(obj)
         except Exception:
             array = None
         if array is not None and array.dtype != object:
-            return _host_region(array, spec, writable, what)
+            region, kept = _host_region(array, spec, writable, what)
+            return region, kept, None
     raise _mismatch(
         spec,
         f"the {what}",
@@ -185,14 +204,76 @@ def _cai_region(cai: Mapping[str, Any], spec: TensorSpec, writable: bool, what: 
     return Region(int(ptr), device)
 
 
-def regions(
-    layout: Layout, tensors: Mapping[str, Any], *, writable: bool, what: str, complete: bool
-) -> tuple[list[TensorSpec], list[Region], list[Any]]:
-    """Every tensor of ``tensors`` as a region, in layout order (``complete``: every name needed)."""
+class Plan:
+    """A mapping of tensors checked against a layout (see the module docstring)."""
+
+    __slots__ = ("addresses", "checks", "complete", "found", "keep", "names", "objects", "specs", "writable")
+
+    def __init__(
+        self, writable: bool, complete: bool, specs: list[TensorSpec], found: list[Region], keep: list[Any]
+    ) -> None:
+        self.writable = writable
+        self.complete = complete
+        self.specs = specs
+        self.found = found
+        self.keep = keep  # what must stay alive while copying (the objects, or contiguous copies)
+        self.names: tuple[str, ...] = ()
+        self.objects: tuple[Any, ...] = ()
+        self.checks: tuple[Any, ...] = ()
+        # per version base address: (version-side addresses, the tensors' addresses, sizes) of the
+        # non-empty tensors, in layout order
+        self.addresses: dict[int, tuple[list[int], list[int], list[int]]] = {}
+
+    def matches(self, tensors: Mapping[str, Any], writable: bool, complete: bool) -> bool:
+        if writable != self.writable or complete != self.complete or len(tensors) != len(self.names):
+            return False
+        get = tensors.get
+        for name, ref, check in zip(self.names, self.objects, self.checks, strict=True):
+            obj = get(name)
+            if obj is None or obj is not ref():
+                return False
+            if check and (obj.data_ptr() != check[0] or obj.numel() != check[1] or obj.dtype != check[2]):
+                return False
+        return True
+
+    def lists(self, base: int) -> tuple[list[int], list[int], list[int]]:
+        """``(version addresses, tensor addresses, sizes)`` for the version at ``base``."""
+        found = self.addresses.get(base)
+        if found is None:
+            inside, outside, sizes = [], [], []
+            for spec, region in zip(self.specs, self.found, strict=True):
+                if spec.nbytes:
+                    inside.append(base + spec.offset)
+                    outside.append(region.ptr)
+                    sizes.append(spec.nbytes)
+            found = (inside, outside, sizes)
+            if len(self.addresses) < 8:
+                self.addresses[base] = found
+        return found
+
+    @property
+    def devices(self) -> set[int]:
+        return {r.device for r in self.found if r.device is not None}
+
+    @property
+    def host(self) -> bool:
+        """Whether any of the tensors is in host memory."""
+        return any(r.device is None for r in self.found)
+
+
+def regions(layout: Layout, tensors: Mapping[str, Any], *, writable: bool, what: str, complete: bool) -> Plan:
+    """Every tensor of ``tensors`` as a region, in layout order (``complete``: every name needed);
+    a plan the layout remembers when the same tensors come again."""
     if not isinstance(tensors, Mapping):
         raise LayoutError(
             f"expected a mapping of tensor names to {what}s (a dict, a state dict), not {type(tensors).__name__}"
         )
+    plans = layout.plans
+    for i, plan in enumerate(plans):
+        if plan.matches(tensors, writable, complete):
+            if i:
+                plans.insert(0, plans.pop(i))
+            return plan  # type: ignore[no-any-return]
     unknown = [name for name in tensors if name not in layout]
     if unknown:
         shown = ", ".join(map(repr, unknown[:5])) + (" ..." if len(unknown) > 5 else "")
@@ -210,13 +291,30 @@ def regions(
     specs: list[TensorSpec] = []
     found: list[Region] = []
     keep: list[Any] = []
+    names: list[str] = []
+    objects: list[Any] = []
+    checks: list[Any] = []
     for name in layout.names if complete else [n for n in layout.names if n in tensors]:
         spec = layout[name]
-        region, kept = region_of(tensors[name], spec, writable=writable, what=what)
+        obj = tensors[name]
+        region, kept, check = region_of(obj, spec, writable=writable, what=what)
         specs.append(spec)
         found.append(region)
         keep.append(kept)
-    return specs, found, keep
+        names.append(name)
+        objects.append(obj)
+        checks.append(check)
+    plan = Plan(writable, complete, specs, found, keep)
+    if all(check is not None for check in checks):
+        try:  # weakly: a plan must not keep anyone's tensors (a trainer's temporaries) alive
+            refs = tuple(weakref.ref(obj) for obj in objects)
+        except TypeError:  # an object that takes no weak reference: not remembered
+            return plan
+        remembered = Plan(writable, complete, specs, found, [])  # `keep` is the caller's mapping then
+        remembered.names, remembered.objects, remembered.checks = tuple(names), refs, tuple(checks)
+        plans.insert(0, remembered)
+        del plans[_PLANS:]
+    return plan
 
 
 def host_copy(dsts: Iterable[int], srcs: Iterable[int], sizes: Iterable[int]) -> None:

@@ -81,13 +81,14 @@ class TensorSpec(NamedTuple):
 class Layout(Mapping[str, TensorSpec]):
     """Names -> :class:`TensorSpec`, in packing order; ``nbytes`` is one version's size."""
 
-    __slots__ = ("_specs", "names", "nbytes")
+    __slots__ = ("_specs", "names", "nbytes", "plans")
 
     def __init__(self, specs: list[TensorSpec]) -> None:
         self._specs = {s.name: s for s in specs}
         self.names = tuple(s.name for s in specs)
         last = specs[-1]
         self.nbytes = last.offset + last.nbytes
+        self.plans: list[Any] = []  # the last few tensor mappings checked against it (see _copy.regions)
 
     def __getitem__(self, name: str) -> TensorSpec:
         return self._specs[name]

@@ -525,19 +525,13 @@ class Snapshot(Mapping[str, TensorView]):
         naming the first target that does not fit.
         """
         grant = self._held()
-        specs, found, keep = regions(self.layout, targets, writable=True, what="target", complete=False)
+        plan = regions(self.layout, targets, writable=True, what="target", complete=False)
         memory = memory_of(grant.buffer)
         memory.source.check(memory)  # the trainer's memory is still there (OwnerGoneError)
-        base = memory.base + byte_offset(grant.buffer)
-        dsts, srcs, sizes = [], [], []
-        for spec, region in zip(specs, found, strict=True):
-            if spec.nbytes:
-                dsts.append(region.ptr)
-                srcs.append(base + spec.offset)
-                sizes.append(spec.nbytes)
+        srcs, dsts, sizes = plan.lists(memory.base + byte_offset(grant.buffer))
         if not sizes:
             return
-        devices = {r.device for r in found if r.device is not None}
+        devices = plan.devices
         if memory.device is None and not devices:
             host_copy(dsts, srcs, sizes)
             return
@@ -548,13 +542,12 @@ class Snapshot(Mapping[str, TensorView]):
             )
         ordinal = devices.pop() if devices else memory.device
         assert ordinal is not None
-        host = memory.device is None or any(r.device is None for r in found)
+        host = memory.device is None or plan.host
         copy_regions(
             dsts, srcs, sizes, ordinal, stream_handle(stream), orders=(memory,) if memory.pending else (), host=host
         )
         if not host:
             grant.info.copied = ordinal  # the release orders the trainer's next write after these copies
-        del keep
 
     def release(self) -> None:
         """Give the version back (once no other snapshot of it in this process holds it) and

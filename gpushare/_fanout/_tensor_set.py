@@ -254,30 +254,23 @@ class TensorSet:
         core = self._core
         if isinstance(tensors, Draft):
             return self._publish_draft(tensors, stream)
-        specs, found, keep = regions(core.layout, tensors, writable=False, what="source", complete=True)
+        plan = regions(core.layout, tensors, writable=False, what="source", complete=True)
+        devices = plan.devices
+        if len(devices) > 1 or (core.cuda and devices - {core.device}):
+            where = sorted(devices | ({core.device} if core.cuda else set()))  # type: ignore[arg-type]
+            raise LayoutError(
+                f"publish() copies from one GPU: the tensors and the set are on devices {where}; move the "
+                "tensors to the set's GPU first"
+            )
         private = copy_stream(core.device).stream if core.cuda else None  # type: ignore[arg-type]
         slot, epoch, buffer = self._acquire(timeout, private)
         try:
-            base = core.bases[slot]
-            dsts, srcs, sizes = [], [], []
-            for spec, region in zip(specs, found, strict=True):
-                if spec.nbytes:
-                    dsts.append(base + spec.offset)
-                    srcs.append(region.ptr)
-                    sizes.append(spec.nbytes)
-            devices = {r.device for r in found if r.device is not None}
+            dsts, srcs, sizes = plan.lists(core.bases[slot])
             recorded = False
             if sizes and not core.cuda and not devices:
                 host_copy(dsts, srcs, sizes)
             elif sizes:
-                if len(devices) > 1 or (core.cuda and devices - {core.device}):
-                    where = sorted(devices | ({core.device} if core.cuda else set()))  # type: ignore[arg-type]
-                    raise LayoutError(
-                        f"publish() copies from one GPU: the tensors and the set are on devices {where}; move the "
-                        "tensors to the set's GPU first"
-                    )
                 ordinal: int = core.device if core.cuda else devices.pop()  # type: ignore[assignment]
-                host = not core.cuda or any(r.device is None for r in found)
                 copy_regions(
                     dsts,
                     srcs,
@@ -285,10 +278,9 @@ class TensorSet:
                     ordinal,
                     stream_handle(stream),
                     done=core.events[slot] if core.cuda else None,
-                    host=host,
+                    host=not core.cuda or plan.host,
                 )
                 recorded = core.cuda
-            del keep
         except BaseException:
             core.give_back(slot, epoch)
             buffer.release()
@@ -297,6 +289,7 @@ class TensorSet:
             return core.publish(slot, epoch, recorded)
         finally:
             buffer.release()
+            del plan, tensors  # what the copy read stays alive until here
 
     def _publish_draft(self, draft: Draft, stream: object) -> int:
         core = self._core
