@@ -22,6 +22,7 @@ MODULES = (
     "kernel_read",
     "host",
     "dataloader",
+    "weight_sync",
 )
 
 
