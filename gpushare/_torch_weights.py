@@ -30,10 +30,12 @@ How each works:
   ``gpushare.torch.DataLoader`` stores them.
 * :func:`publish_state_dict` takes a draft (a version no engine holds; the
   current torch stream waits for the engines' last reads of it), copies the
-  state dict into the draft's views with ``torch._foreach_copy_`` (a few
+  state dict into that version with ``torch._foreach_copy_`` (a few
   multi-tensor kernels) on the current torch stream, and publishes the draft
   with that stream: the version's ready event is recorded after the copies.
-  Nothing waits on the host.
+  Nothing waits on the host. The torch tensors over each version are made
+  once per version and kept with the set (making 200 tensors through DLPack
+  would cost milliseconds per publish).
 * :func:`load_state_dict` copies a snapshot into a module's own parameters
   and buffers with :meth:`~gpushare.Snapshot.copy_to` on the current torch
   stream (one batched driver call; torch sees ordinary stream order).
@@ -170,16 +172,15 @@ def publish_state_dict(
         on = torch.cuda.ExternalStream(int(on), device=device)  # an int CUstream handle
     draft = tensor_set.draft(timeout, stream=on)
     try:
-        dsts, srcs = [], []
-        for name in names:
-            dst = as_tensor(draft[name])
-            src = state_dict[name].detach()
+        dsts = _version_tensors(tensor_set, draft.slot)
+        srcs = []
+        for name, dst in zip(names, dsts, strict=True):
+            src = state_dict[name]
             if src.shape != dst.shape or src.dtype != dst.dtype:
                 raise LayoutError(
                     f"state dict tensor {name!r} is {tuple(src.shape)} {src.dtype}; the layout says "
                     f"{tuple(dst.shape)} {dst.dtype} (no casting or reshaping)"
                 )
-            dsts.append(dst)
             srcs.append(src)
         with torch.no_grad(), torch.cuda.stream(on) if on is not None else contextlib.nullcontext():
             if hasattr(torch, "_foreach_copy_"):
@@ -187,11 +188,31 @@ def publish_state_dict(
             else:  # an older torch: one copy per tensor
                 for dst, src in zip(dsts, srcs, strict=True):
                     dst.copy_(src)
-        del dsts
     except BaseException:
         draft.release()
         raise
     return int(tensor_set.publish(draft, stream=on))
+
+
+def _version_tensors(tensor_set: Any, slot: int) -> list[torch.Tensor]:
+    """Torch tensors over every tensor of version ``slot``, in layout order, made once per version.
+
+    Making a tensor from a Buffer costs tens of microseconds (DLPack); a trainer that
+    publishes a 200-tensor state dict every step would pay milliseconds. These views are
+    written only by :func:`publish_state_dict`, while it holds a draft of that version.
+    """
+    cache = tensor_set._adapters.setdefault("torch", {})
+    tensors = cache.get(slot)
+    if tensors is None:
+        buffer = tensor_set._version_buffer(slot)
+        flat = torch.from_numpy(buffer.numpy()) if buffer.device == "cpu" else torch.from_dlpack(buffer)
+        buffer.release()  # the tensor keeps a count of its own
+        tensors = []
+        for spec in tensor_set.layout.values():
+            dtype = getattr(torch, spec.tag or spec.dtype.name)
+            tensors.append(flat[spec.offset : spec.offset + spec.nbytes].view(dtype).view(spec.shape))
+        cache[slot] = tensors
+    return tensors  # type: ignore[no-any-return]
 
 
 def _match(module: torch.nn.Module, snapshot: Mapping[str, Any], strict: bool) -> tuple[Any, IncompatibleKeys]:
@@ -216,7 +237,9 @@ def load_state_dict(module: torch.nn.Module, snapshot: Mapping[str, Any], *, str
     otherwise returns the missing and unexpected names.
     """
     own, keys = _match(module, snapshot, strict)
-    targets = {name: own[name].data for name in snapshot if name in own}
+    # The module's own tensor objects (not .data, a new object each time): the same objects come
+    # every time, so the snapshot's layout remembers the checks (see gpushare._fanout._copy).
+    targets = {name: own[name] for name in snapshot if name in own}
     devices = {t.device for t in targets.values()}
     cuda = [d for d in devices if d.type == "cuda"]
     snapshot.copy_to(targets, stream=torch.cuda.current_stream(cuda[0]) if cuda else None)  # type: ignore[attr-defined]

@@ -169,6 +169,7 @@ class TensorSet:
 
     def __init__(self, core: SetProducer) -> None:
         self._core = core
+        self._adapters: dict[str, Any] = {}  # what adapters (gpushare.torch) keep per set; cleared at close
         self._finalizer = weakref.finalize(
             self, core.close, "the trainer's TensorSet was garbage collected without close()"
         )
@@ -331,10 +332,17 @@ class TensorSet:
         """End the set: readers may still take the latest version, then their next wait raises
         :class:`~gpushare.TensorSetClosedError`. Idempotent; never blocks on readers."""
         self._core.close("the trainer called close()")
+        self._adapters.clear()
 
     def _shutdown(self) -> None:
         """The Manager shuts down: end the set, offering no last version (readers let go at once)."""
         self._core.close("its Manager was shut down", offer=False)
+        self._adapters.clear()
+
+    def _version_buffer(self, slot: int) -> Buffer:
+        """A plain Buffer (uint8, its own count) over version ``slot``, for adapters that keep their
+        own views of each version (``gpushare.torch``), written only through drafts of that slot."""
+        return self._core.buffers[slot].view()
 
     def __enter__(self) -> TensorSet:
         return self
