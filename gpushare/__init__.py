@@ -28,6 +28,7 @@ from ._errors import (
     CUDAOutOfMemoryError,
     DescriptorError,
     GpushareError,
+    LayoutError,
     LeakWarning,
     LeaseExpiredWarning,
     LoaderError,
@@ -37,6 +38,7 @@ from ._errors import (
     OwnerGoneError,
     RingClosedError,
     StartMethodError,
+    TensorSetClosedError,
     WaitTimeoutError,
 )
 from ._version import __version__ as __version__
@@ -70,6 +72,8 @@ _LAZY = {
     "SlotArray": ("._batch", "SlotArray"),
     "SlotLoader": ("._loader", "SlotLoader"),
     "SlotWriter": ("._batch", "SlotWriter"),
+    "Snapshot": ("._fanout", "Snapshot"),
+    "TensorSet": ("._fanout", "TensorSet"),
 }
 
 
@@ -96,6 +100,7 @@ __all__ = [
     "CUDAOutOfMemoryError",
     "DescriptorError",
     "GpushareError",
+    "LayoutError",
     "LeakWarning",
     "LeaseExpiredWarning",
     "LoaderError",
@@ -108,7 +113,10 @@ __all__ = [
     "SlotArray",
     "SlotLoader",
     "SlotWriter",
+    "Snapshot",
     "StartMethodError",
+    "TensorSet",
+    "TensorSetClosedError",
     "WaitTimeoutError",
 ]
 

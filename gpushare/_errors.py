@@ -19,6 +19,15 @@ Every exception raised on purpose by gpushare derives from
   producer (a consumer's ``get()`` after the last item), or by you (the
   producer's ``acquire()``/``publish()`` after ``close()``). A producer
   that *died* shows as :class:`OwnerGoneError` instead.
+* :class:`TensorSetClosedError` -- a :class:`~gpushare.TensorSet` was
+  closed by the trainer: a reader's ``latest()``/``wait()`` once no
+  version it can still take is left, or the trainer's ``publish()``/
+  ``draft()`` after ``close()``. A trainer that *died* shows as
+  :class:`OwnerGoneError` instead.
+* :class:`LayoutError` (also a :class:`ValueError`) -- a tensor set's
+  layout is invalid, or tensors given for it do not match it (a name
+  missing or unknown, a shape, dtype or size that differs, memory that is
+  not contiguous or not writable).
 * :class:`LoaderError` -- a :class:`~gpushare.SlotLoader` cannot go on:
   a worker could not start, a batch does not fit its slot, or this
   process holds every slot of the worker whose batch comes next. (A
@@ -29,7 +38,7 @@ Every exception raised on purpose by gpushare derives from
 * :class:`BackendUnavailableError` -- a backend this machine cannot run.
 * :class:`WaitTimeoutError` (also a :class:`TimeoutError`) -- a wait you
   bounded with ``timeout=`` ran out: a ring's ``acquire()``, ``publish()``
-  or ``get()``, a loader's next batch, a weight set's ``publish()`` or
+  or ``get()``, a loader's next batch, a tensor set's ``publish()``, ``draft()`` or
   ``wait()``. The message says what it waited for and who held what.
 
 Messages say what was wrong, what is valid, and what to do.
@@ -44,6 +53,7 @@ __all__ = [
     "CUDAOutOfMemoryError",
     "DescriptorError",
     "GpushareError",
+    "LayoutError",
     "LeakWarning",
     "LeaseExpiredWarning",
     "LoaderError",
@@ -53,6 +63,7 @@ __all__ = [
     "OwnerGoneError",
     "RingClosedError",
     "StartMethodError",
+    "TensorSetClosedError",
     "WaitTimeoutError",
 ]
 
@@ -108,6 +119,14 @@ class OwnerGoneError(GpushareError, ConnectionError):
 
 class RingClosedError(GpushareError, EOFError):
     """The ring was closed: no more items will come (consumer), or none may be published (producer)."""
+
+
+class TensorSetClosedError(GpushareError, EOFError):
+    """The tensor set was closed by its trainer: no newer version will come (reader), or none may be published."""
+
+
+class LayoutError(GpushareError, ValueError):
+    """A tensor set's layout is invalid, or tensors given for it do not match it (name, shape, dtype, size, memory)."""
 
 
 class LoaderError(GpushareError, RuntimeError):

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from typing import Any
 
     from ._buffer import Buffer
-    from ._fanout import Ring
+    from ._fanout import Ring, TensorSet
 
 __all__ = ["GRANULARITY", "BufferManager", "RemoteAllocator", "round_size"]
 
@@ -226,6 +226,7 @@ class BufferManager(SyncManager):
         }
         self._owning = _Owning(owner, self._owner_options)
         self._rings: weakref.WeakSet[Ring] = weakref.WeakSet()  # closed at shutdown, before waiting for leases
+        self._tensor_sets: weakref.WeakSet[TensorSet] = weakref.WeakSet()  # the same
 
     # -- lifecycle -----------------------------------------------------------
     def start(self, initializer: Any = None, initargs: Any = ()) -> None:
@@ -243,6 +244,7 @@ class BufferManager(SyncManager):
     def _install_shutdown(self) -> None:
         server_shutdown = self.shutdown  # SyncManager.start() installs a Finalize here
         rings = self._rings
+        tensor_sets = self._tensor_sets
         owning = self._owning
         done = threading.Event()
 
@@ -253,6 +255,8 @@ class BufferManager(SyncManager):
             try:
                 for ring in list(rings):
                     ring.close()  # consumers give their slot leases back
+                for tensor_set in list(tensor_sets):
+                    tensor_set._shutdown()  # readers waiting for a version let go of theirs
                 owning.shutdown(timeout)
             finally:
                 server_shutdown()
@@ -338,6 +342,27 @@ class BufferManager(SyncManager):
         ring = create_ring(self, shape, dtype, device, slots=slots, consumers=consumers, backend=backend, spin=spin)
         self._rings.add(ring)
         return ring
+
+    def tensor_set(
+        self, layout: Any, versions: int = 2, device: Any = None, *, backend: str | None = None
+    ) -> TensorSet:
+        """A versioned set of tensors for weight sync: the trainer publishes, engines take versions.
+
+        ``layout`` maps names to NumPy arrays, objects with
+        ``__cuda_array_interface__``, ``(shape, dtype)`` or ``(shape, dtype, tag)``
+        (a tag names a dtype NumPy lacks, e.g. ``"bfloat16"``, stored as an
+        unsigned int of its size; ``gpushare.torch.state_dict_layout`` makes one
+        from a state dict). Each of the ``versions`` versions is one buffer of
+        this Manager holding every tensor at a 256-byte aligned offset. Pickle
+        the set into each engine (a Process argument, a Queue, a Ray actor
+        argument): it arrives as a reader. See :class:`~gpushare.TensorSet`,
+        the protocol in ``gpushare._fanout`` and docs/weight-sync.md.
+        """
+        from ._fanout import create_tensor_set
+
+        tensor_set = create_tensor_set(self, layout, versions, device, backend=backend)
+        self._tensor_sets.add(tensor_set)
+        return tensor_set
 
     # -- observability and upkeep ------------------------------------------------------
     @property

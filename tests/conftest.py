@@ -224,6 +224,23 @@ def kill_quietly(pid: int) -> None:
         pass
 
 
+def clean_up_after(pid: int, server_pid: int, dirs: list[str]) -> None:
+    """Remove what a SIGKILLed producer leaves: its manager server, socket dirs, shared memory."""
+    import glob
+    import shutil
+    from multiprocessing import resource_tracker
+
+    try:  # the server process has nobody left to stop it
+        os.kill(server_pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for path in dirs:
+        shutil.rmtree(path, ignore_errors=True)
+    for path in glob.glob(f"/dev/shm/gpushare-{pid}-*"):  # so the resource tracker has nothing to report
+        os.unlink(path)
+        resource_tracker.unregister("/" + os.path.basename(path), "shared_memory")
+
+
 def all_gone(pids: list[int]) -> bool:
     """None of ``pids`` is alive (workers, a Manager's server)."""
     return not any(_authsocket.process_alive(pid, sentinel=False) for pid in pids)

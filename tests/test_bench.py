@@ -513,3 +513,85 @@ def test_startup_gpu_rows_run_on_a_gpu(tmp_path: Path, monkeypatch: pytest.Monke
     for samples in (*processes.values(), *first.values()):
         assert len(samples) == 1 and samples[0] > 0
     assert _leftover_scripts(scratch) == []
+
+
+# -- weight_sync (issue 24) ------------------------------------------------------------------------
+
+
+def test_weight_sync_layouts_are_the_models_and_cells_that_cannot_fit_are_skipped() -> None:
+    from gpushare.bench.scenarios import weight_sync as ws
+
+    small = ws.llama_shapes(**ws.MODELS["weight_sync"][1])
+    large = ws.llama_shapes(**ws.MODELS["weight_sync_8b"][1])
+    assert (len(small), len(large)) == (201, 291)
+    assert 2.1e9 < ws.layout_bytes(small) < 2.3e9 and 15.5e9 < ws.layout_bytes(large) < 16.5e9
+    assert small["model.layers.0.self_attn.k_proj.weight"] == (256, 2048)  # 4 kv heads of 64
+    free = 79 * ws.GiB  # an H100's free memory
+    nbytes = ws.layout_bytes(large)
+    assert ws.fit_reason(ws.GS_COPY, 1, nbytes, free, 0) is None  # trainer + 2 versions + 1 engine: 64 GB
+    reason = ws.fit_reason(ws.GS_COPY, 2, nbytes, free, 0)
+    assert reason is not None and "x 5 copies" in reason and "79.0 GiB free on cuda:0" in reason
+    assert ws.fit_reason(ws.GS_ZERO, 8, nbytes, free, 0) is None  # zero-copy engines make no copies
+    assert ws.fit_reason(ws.LOCAL, 8, ws.layout_bytes(small), free, 0) is None
+
+
+def test_weight_sync_goals_are_judged_against_the_floor_and_the_best_torch_pattern() -> None:
+    from gpushare.bench.fmt import _goal_status
+    from gpushare.bench.results import Scenario, Series
+    from gpushare.bench.scenarios import weight_sync as ws
+    from gpushare.bench.stats import Cell
+
+    scenario = Scenario("weight_sync", "t", "engines", ["1"], floor=("weight_sync", ws.LOCAL), goals=ws.goals(["1"]))
+    for system, us in ((ws.LOCAL, 4200), (ws.TORCH_TENSOR, 29400), (ws.TORCH_FLAT, 8300), (ws.TORCH_KEPT, 7000)):
+        scenario.systems[system] = Series(cells={"1": Cell.of([us * 1000])})
+    scenario.systems[ws.GS_COPY] = Series(cells={"1": Cell.of([4600 * 1000])})
+    scenario.systems[ws.GS_INPLACE] = Series(cells={"1": Cell.of([150 * 1000])})
+    status = {goal.text: _goal_status({"weight_sync": scenario}, scenario, goal) for goal in scenario.goals}
+    assert status[f"{ws.GS_COPY} <= 1.2x {ws.LOCAL}"] == (True, "1.10x")
+    assert status[f"{ws.GS_COPY} >= 4x faster than {ws.TORCH_TENSOR}"] == (True, "0.16x")
+    assert status[f"{ws.GS_COPY} >= 1.1x faster than the best torch pattern"] == (True, "0.66x")  # kept bucket
+    assert status[f"{ws.GS_INPLACE} <= 100 us"] == (False, "150 us")
+    assert status[f"{ws.GS_ZERO} <= the {ws.LOCAL} floor"] == (None, "-")  # not measured
+
+    # Both reports carry them, with the memory table and a cell skipped for memory.
+    from gpushare.bench.report_json import _scenario_json
+    from gpushare.bench.report_md import _render_scenario
+
+    scenario.details["memory"] = {"1": {ws.GS_COPY: {"used_mib": 9000, "growth_mib": 0}}}
+    scenario.systems[ws.GS_ZERO] = Series(skips={"1": "needs about 90 GiB"})
+    markdown = "\n".join(_render_scenario({"weight_sync": scenario}, scenario))
+    assert f"- Target, engines 1: {ws.GS_COPY} <= 1.2x {ws.LOCAL}: met (1.10x)." in markdown
+    assert f"- Target, engines 1: {ws.GS_INPLACE} <= 100 us: not met (150 us)." in markdown
+    assert "| 1 | 9,000 (+0) |" in markdown and f"- {ws.GS_ZERO}, engines 1: skipped: needs about 90 GiB" in markdown
+    report = _scenario_json({"weight_sync": scenario}, scenario)
+    assert [g["met"] for g in report["goals"]] == [True, True, True, False, None]
+    assert report["details"]["memory"]["1"][ws.GS_COPY]["used_mib"] == 9000
+    assert report["systems"][ws.GS_ZERO]["skips"] == {"1": "needs about 90 GiB"}
+
+
+def test_weight_sync_cells_run_on_the_host_with_a_small_layout() -> None:
+    """The scenario's trainer and engines (spawned), with a small Llama layout on the CPU: the floor and
+    the gpushare systems sync, ack and end with the trainer's weights; torch's IPC needs CUDA."""
+    pytest.importorskip("torch")
+    import gpushare as mp
+    from gpushare.bench.scenarios import weight_sync as ws
+    from gpushare.bench.settings import BenchError
+
+    shapes = ws.llama_shapes(layers=2, hidden=64, intermediate=96, heads=4, kv_heads=2, vocab=128)
+    with mp.Manager() as manager:
+        for system in (ws.LOCAL, ws.GS_COPY, ws.GS_ZERO, ws.GS_INPLACE):
+            samples, memory = ws.run_cell(manager, shapes, system, 2, "cpu", iters=3, warmup=1)
+            assert len(samples) == 3 and min(samples) > 0 and memory is None, system
+        with pytest.raises(BenchError, match="needs CUDA"):
+            ws.run_cell(manager, shapes, ws.TORCH_TENSOR, 1, "cpu", iters=1, warmup=1)
+        assert manager.stats()["leases"] == 0
+
+
+def test_weight_sync_is_skipped_cleanly_without_a_gpu(tmp_path: Path) -> None:
+    done = _bench(tmp_path, "--iters", "2", "--consumers", "1", "--only", "weight_sync,weight_sync_8b")
+    assert done.returncode == 0 and ": ERROR" not in done.stderr, done.stderr
+    markdown = (tmp_path / "benchmarks.md").read_text(encoding="utf-8")
+    assert "`weight_sync`: skipped: run with the host backend" in markdown
+    assert "`weight_sync_8b`: skipped: run with the host backend" in markdown
+    report = json.loads((tmp_path / "benchmarks.json").read_text(encoding="utf-8"))
+    assert report["scenarios"]["weight_sync"]["skipped"].startswith("run with the host backend")

@@ -7,7 +7,7 @@ already, and that a call really keeps the GIL: a slow stand-in query must
 stop every other Python thread of the process for as long as it runs (the
 same call through ``ctypes.CDLL``, which releases the GIL, lets them run).
 The GPU suite checks the same queries against cuda-bindings on a real device
-(``tests/test_gpu.py::test_queries_keep_the_gil_and_agree_with_the_bindings``).
+(``tests/test_backends.py::test_queries_keep_the_gil_and_agree_with_the_bindings``).
 """
 
 from __future__ import annotations

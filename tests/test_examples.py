@@ -9,7 +9,14 @@ import sys
 import pytest
 from conftest import ROOT, subprocess_env
 
-EXAMPLES = ["fanout.py", "producer_consumer.py", "pool_map.py", "ring_pipeline.py", "dataloader_gpu.py"]
+EXAMPLES = [
+    "fanout.py",
+    "producer_consumer.py",
+    "pool_map.py",
+    "ring_pipeline.py",
+    "dataloader_gpu.py",
+    "weight_sync.py",
+]
 
 
 @pytest.mark.parametrize("name", EXAMPLES)
@@ -29,6 +36,10 @@ def test_example_runs_on_host_backend(name: str) -> None:
         assert "leases outstanding after the workers exited: 0" in out.stdout
     if name == "dataloader_gpu.py":
         assert out.stdout.count("[ok]") >= 2, out.stdout
+    if name == "weight_sync.py":
+        assert "backend: host (NumPy)" in out.stdout
+        assert out.stdout.count("[ok]") == 4, out.stdout  # two copy-mode and two zero-copy engines
+        assert "leases outstanding after the engines exited: 0" in out.stdout
 
 
 @pytest.mark.gpu
@@ -73,3 +84,17 @@ def test_dataloader_example_runs_on_gpu() -> None:
     assert out.returncode == 0, out.stdout + out.stderr
     assert "slots on cuda:0" in out.stdout
     assert "on cuda:0" in out.stdout and out.stdout.count("[ok]") == 3
+
+
+@pytest.mark.gpu
+def test_weight_sync_example_runs_on_gpu() -> None:
+    pytest.importorskip("torch")
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", "weight_sync.py")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=subprocess_env(),
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "on GPU 0 (torch" in out.stdout and out.stdout.count("[ok]") == 4, out.stdout

@@ -126,6 +126,46 @@ class Producer:
         return self.buf
 
 
+@ray.remote(num_cpus=0)
+class Engine:
+    """An inference engine as RL frameworks run one: a Ray actor given the trainer's TensorSet."""
+
+    def __init__(self, reader: Any) -> None:
+        self.reader = reader  # unpickled here, outside the Manager's process tree: a registered reader
+        self.held: Any = None
+
+    def follow(self, version: int) -> tuple[str, int, float]:
+        with self.reader.wait(newer_than=version, timeout=60) as snap:
+            return type(self.reader).__name__, snap.version, sum(float(snap[n].numpy().sum()) for n in snap)
+
+    def hold(self) -> int:
+        self.held = self.reader.latest(timeout=60)
+        return int(self.held.version)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def test_a_tensor_set_as_a_ray_actor_argument(manager: Any) -> None:
+    ts = manager.tensor_set({"w": ((64,), "float32"), "b": ((8,), "bfloat16")}, device="cpu")
+    engine = Engine.options(**ON_A).remote(ts)  # the set's Ray form carries the authkeys
+    pid = ray.get(engine.pid.remote(), timeout=120)
+    assert ts.stats()["reader_pids"] == [pid]
+    for version, value in ((1, 1.5), (2, 2.5)):
+        ts.publish({"w": np.full(64, value, "float32"), "b": np.full(8, version, "uint16")})
+        answer = ray.get(engine.follow.remote(version - 1), timeout=120)
+        assert answer == ("TensorSetReader", version, 64 * value + 8 * version)
+    assert ray.get(engine.hold.remote(), timeout=120) == 2
+    assert ts.stats()["held"] == {2: [pid]}
+    ray.kill(engine, no_restart=True)  # its socket closes: the trainer frees what it held
+    deadline = time.monotonic() + 30
+    while ts.stats()["readers"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ts.stats()["readers"] == 0 and ts.stats()["held"] == {}
+    ts.close()
+    assert _wait_leases(manager, 0) == 0
+
+
 def test_node_identity_override(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(gray.NODE_ID_ENV, raising=False)
     assert gray.node_identity().startswith(("boot:", "host:"))

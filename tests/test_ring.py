@@ -6,17 +6,23 @@ a timeout, and the ``reap`` fixture kills survivors.
 
 from __future__ import annotations
 
-import glob
 import os
 import pickle
 import select
-import shutil
 import signal
 import time
 
 import numpy as np
 import pytest
-from conftest import fill_behind_a_running_kernel, recv, require, start, start_guarded, wait_until
+from conftest import (
+    clean_up_after,
+    fill_behind_a_running_kernel,
+    recv,
+    require,
+    start,
+    start_guarded,
+    wait_until,
+)
 
 import gpushare as mp
 from gpushare import _backends
@@ -271,21 +277,6 @@ def test_a_publish_after_registration_reaches_the_new_consumer(manager, reap) ->
             assert results.get(timeout=30) == k
 
 
-def _clean_up_after(pid: int, server_pid: int, dirs: list[str]) -> None:
-    """Remove what a SIGKILLed producer leaves: its manager server, socket dirs, shared memory."""
-    from multiprocessing import resource_tracker
-
-    try:  # the server process has nobody left to stop it
-        os.kill(server_pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    for path in dirs:
-        shutil.rmtree(path, ignore_errors=True)
-    for path in glob.glob(f"/dev/shm/gpushare-{pid}-*"):  # so the resource tracker has nothing to report
-        os.unlink(path)
-        resource_tracker.unregister("/" + os.path.basename(path), "shared_memory")
-
-
 def test_producer_death_is_an_error_not_a_hang(reap) -> None:
     rings, results, control, consumer_results = mp.Queue(), mp.Queue(), mp.Queue(), mp.Queue()
     producer = start(reap, produce_then_wait, rings, results, control)
@@ -303,7 +294,7 @@ def test_producer_death_is_an_error_not_a_hang(reap) -> None:
     finally:
         producer.kill()
         producer.join(timeout=10)
-        _clean_up_after(producer.pid, server_pid, dirs)
+        clean_up_after(producer.pid, server_pid, dirs)
 
 
 # -- in this process: the API's edges ---------------------------------------------------
@@ -532,7 +523,7 @@ def test_spinning_consumer_notices_producer_death(reap, spin) -> None:
     finally:
         producer.kill()
         producer.join(timeout=10)
-        _clean_up_after(producer.pid, server_pid, dirs)
+        clean_up_after(producer.pid, server_pid, dirs)
 
 
 def test_channel_entries_check_their_index_and_contents() -> None:

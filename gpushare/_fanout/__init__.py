@@ -1,4 +1,12 @@
-"""The fan-out ring: pre-shared slots for steady producer -> N consumers pipelines.
+"""Fan-out: the ring (pre-shared slots, producer -> N consumers) and tensor sets (weight sync).
+
+Two patterns share this package's machinery (an authenticated Unix-socket
+service in the producer, version or slot buffers that are Manager buffers
+mapped once per consumer, a shared-memory channel of release words per
+consumer, eventfds, per-slot interprocess events on CUDA): the *ring*, for
+streams of items every consumer must see, described first, and the *tensor
+set*, for versions of which each consumer wants only the newest, described
+after it.
 
 A :class:`Ring` is ``slots`` buffers of one shape and dtype, allocated by a
 Manager in the producer's process, plus a small authenticated Unix-socket
@@ -149,24 +157,137 @@ Modules: ``_ring`` (:class:`Ring`, the producer's handle, and
 ``_consumer`` (:class:`RingConsumer`), ``_channel`` (one consumer's shared
 memory), ``_item`` (:class:`~._item.RingItem`, what both ends hand out) and
 ``_wire`` (limits, spinning, socket framing).
+
+Tensor sets: versioned weights, trainer -> engines
+===================================================
+A :class:`TensorSet` (``manager.tensor_set(layout, versions=2)``) is
+``versions`` Manager buffers, each holding every tensor of ``layout`` at a
+256-byte aligned offset (``_layout``), plus a service in the trainer's
+process like the ring's. The trainer publishes whole versions; an engine
+takes the newest one and holds it while it uses it (zero-copy: the
+snapshot's views are its weights) or copies it into its own tensors (copy
+mode) and lets it go. Slow engines skip versions: the latest wins.
+
+Registration (after the HMAC challenge, as for the ring)
+--------------------------------------------------------
+reader -> trainer ``("hello", pid, key)``; trainer -> reader ``("versions",
+[buffer, ...], [version event handle, ...])`` (one lease per version,
+claimed by the reader, which maps each once) followed by two fds
+(SCM_RIGHTS): the reader's channel (a ``_channel.Channel`` of which only the
+*release words* are used, one per version) and the set's release eventfd;
+reader -> trainer ``("ready", [release event handle, ...])`` (CUDA: one per
+version, recorded when the reader releases that version); trainer -> reader
+``("registered",)``. A reader outside the trainer's process tree (a Ray
+actor) gets the set's Ray form, which carries the trainer's authkey and the
+memory owner's; it makes its lifetime link with the owner's authkey before
+the version buffers are unpickled.
+
+Taking a version: a request, answered under the trainer's lock
+----------------------------------------------------------------
+reader -> trainer ``("take", newer_than, timeout)``, answered by that
+reader's thread in the trainer, once a version newer than ``newer_than`` is
+available (at once for the latest), with ``("grant", version, slot, grant
+id, recorded)``, or ``("timeout", message)``, or ``("closed", reason, last
+version, its slot, recorded)``. The trainer records the grant as held
+before it answers, so it always knows who holds what; a lock-free take
+would need a store-load barrier on both sides, which Python cannot express
+portably (``_tensor_reader`` says why, and how a take that meets a
+concurrent release of the same version stays right). A reader holds at
+most one grant per version; taking a version it holds returns the same
+grant.
+
+Releasing: a release word and a poke, no message
+------------------------------------------------
+A snapshot holds its grant, and so does each of its views and everything
+made from one without a copy (``_views``); when the last goes (or at
+``snap.release()``), the grant's finalizer writes ``grant id + 1`` (and
+``RECORDED`` when it recorded its release event, CUDA) into the release
+word of the version's slot and pokes the release eventfd: finalizer-safe,
+no lock, no message. The trainer reads release words whenever it needs
+current state: before it grants a reader anything, when it picks a version
+to write, for ``stats()``. A reader's socket closing (exit, SIGKILL, its
+``close()``) frees everything it held, at once: its thread in the trainer
+sleeps in ``poll`` on the socket.
+
+Publishing
+----------
+``publish(tensors)`` (copied, in one batched copy) or ``draft()`` then
+``publish(draft)`` (written in place) writes a version no reader holds and
+nobody else writes, preferring one that is not the latest; if only the
+latest is free it takes it, and readers asking meanwhile wait until the new
+one lands (a draft of it given back unpublished leaves no latest until the
+next publish). When every version is held it waits (``timeout``) in
+``poll`` on the release eventfd and a wake pipe the readers' threads write
+when a reader goes, then raises :class:`~gpushare.WaitTimeoutError` naming
+the holders ("version 7 held by pids 123, 456"). The new version's number
+is the previous one's plus one; readers waiting for one are woken through
+an eventfd of their thread. Nothing of the tensors goes through a socket.
+
+Device memory: per-version events, as the ring's slots
+------------------------------------------------------
+The trainer has an interprocess event per version, recorded when the version
+is published (after the batched copies on its private stream, or on the
+draft's ``stream``), and not recorded when that stream was idle; readers
+open them once and a snapshot's memory waits on its version's event like a
+ring item (``Memory.arm``: accessors on the host, DLPack and CAI consumers
+on their stream, ``copy_to`` on its private stream). Each reader records its
+per-version release event at release (on its default stream, after
+``copy_to``'s copies), unless its default stream is idle; the trainer's next
+write of that version (its private copy stream, or the draft's stream)
+waits for the recorded ones that are not complete yet. ``copy_to`` and
+``publish(tensors)`` use ``cuMemcpyBatchAsync`` on a private non-blocking
+stream ordered after the caller's stream by events (the batched call
+refuses the legacy default stream), and the caller's stream then waits for
+the copies: no host synchronisation on the hot path.
+
+Ending
+------
+``close()`` makes each reader's thread send ``("closed", ...)`` and end; a
+reader may still take the last version (it is never written again), then
+its next wait raises :class:`~gpushare.TensorSetClosedError`. A trainer that
+dies shows as EOF without that message: :class:`~gpushare.OwnerGoneError`.
+Weights copied out stay valid; snapshots still held stay valid when the
+memory is server-owned (``Manager(owner="server")``).
+
+Modules: ``_tensor_set`` (:class:`TensorSet`, :class:`Draft`,
+:func:`create_tensor_set`), ``_set_producer`` (the trainer's state and
+service), ``_tensor_reader`` (:class:`TensorSetReader`, :class:`Snapshot`,
+grants), ``_views`` (:class:`TensorView`), ``_layout`` (packing) and
+``_copy`` (checking tensors against the layout, batched copies).
 """
 
 from ._channel import Channel
 from ._consumer import RingConsumer
 from ._item import RingItem
+from ._layout import ALIGN, Layout, TensorSpec, make_layout
 from ._producer import Producer
 from ._ring import Ring, create_ring
+from ._set_producer import SetProducer
+from ._tensor_reader import Snapshot, TensorSetReader
+from ._tensor_set import Draft, TensorSet, create_tensor_set
+from ._views import TensorView
 from ._wire import MAX_META, REGISTER_TIMEOUT, SEND_TIMEOUT, SPIN_DEFAULT
 
 __all__ = [
+    "ALIGN",
     "MAX_META",
     "REGISTER_TIMEOUT",
     "SEND_TIMEOUT",
     "SPIN_DEFAULT",
     "Channel",
+    "Draft",
+    "Layout",
     "Producer",
     "Ring",
     "RingConsumer",
     "RingItem",
+    "SetProducer",
+    "Snapshot",
+    "TensorSet",
+    "TensorSetReader",
+    "TensorSpec",
+    "TensorView",
     "create_ring",
+    "create_tensor_set",
+    "make_layout",
 ]

@@ -132,6 +132,26 @@ What one iteration is, per scenario (one producer, N consumer processes):
     should read at >= 0.97 of the local tensor's rate. Both sums are checked
     against the 1.0 fills; the consumer drops its tensors and releases the
     buffer before it answers.
+``weight_sync`` / ``weight_sync_8b``
+    Only with a GPU and torch. A trainer hands a Llama-shaped bf16 state
+    dict (TinyLlama-1.1B: 201 tensors, 2.2 GB; Llama-3-8B: 291 tensors,
+    16 GB) to N engine processes on its GPU (rows: 1, 2, 4, 8 engines), one
+    sync per iteration, every system counting the trainer's own packing or
+    copying: ``local copy`` (the floor: each engine copies from a bucket of
+    its own), ``torch per-tensor`` (``reduce_tensor`` per tensor per sync,
+    ``ipc_collect``), ``torch flattened bucket`` (a new ``torch.cat`` bucket
+    per sync), ``torch kept bucket`` (one bucket, its handle kept),
+    ``gpushare copy`` (``publish_state_dict``, engines ``snap.copy_to``),
+    ``gpushare zero-copy`` (until every engine holds the new snapshot) and
+    ``gpushare in-place publish`` (draft, one small write, publish: the
+    trainer's call). Engines ``copy_`` per tensor and synchronize before they
+    ack. Cells whose estimated device memory does not fit in the free memory
+    are skipped with that reason (never attempted); device memory per cell
+    and its growth over the timed syncs go in a table below. Targets per row
+    (``Goal``): copy <= 1.2x the floor, >= 4x faster than per-tensor and
+    >= 1.1x faster than the best torch pattern; zero-copy <= the floor at
+    1 engine; in-place publish <= 100 us. Engines' final weights are
+    checksummed against the trainer's.
 ``host``
     A 64 MiB float32 array on the host backend (always runs, GPU or not):
     a gpushare host buffer written in place, the same buffer refilled with
@@ -169,6 +189,11 @@ floors, torch.multiprocessing, cuda.core), ``consumers`` (the functions the spaw
 consumers run), ``harness`` (timing, readiness, acks, stopping), ``results`` (series,
 scenarios, tasks), ``stats`` (``Cell``, ``Target``), ``settings`` (every constant, ``Config``),
 ``fmt`` and the writers ``report_md``, ``report_json`` and ``report_plot``.
+
+Beyond the per-row ``targets``, a scenario may list ``goals`` (``results.Goal``: one system at
+one row, against the floor, the fastest of other systems, or in microseconds; several per row),
+mark single cells skipped (``bench.task(..., skip, cell=True)``: the rest of the column runs) and
+put figures per cell in ``details["memory"]``, which the markdown shows as a table.
 
 Adding a scenario: write ``gpushare/bench/scenarios/<name>.py`` with
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .results import Scenario
+from .results import Goal, Scenario
 from .settings import (
     GPUSHARE,
     KERNEL_LOCAL,
@@ -132,3 +132,19 @@ def _target_us(scenarios: dict[str, Scenario], scenario: Scenario, row: str, tar
         floor = _floor_cell(scenarios, scenario, row)
         return None if floor is None else target.limit * floor.median_us
     return None
+
+
+def _goal_status(bench_scenarios: dict[str, Scenario], scenario: Scenario, goal: Goal) -> tuple[bool | None, str]:
+    """Whether ``goal`` is met (None: cannot be judged) and the measured figure it was judged on."""
+    series = scenario.systems.get(goal.system)
+    cell = None if series is None else series.cells.get(goal.row)
+    if goal.target.kind == "us_max":
+        return goal.target.met(cell), "-" if cell is None else f"{_fmt_us(cell.median_us)} us"
+    if goal.against:
+        found = [scenario.systems[n].cells.get(goal.row) for n in goal.against if n in scenario.systems]
+        measured = [c for c in found if c is not None and c.median_us > 0]
+        reference = min(measured, key=lambda c: c.median_us) if measured else None
+    else:
+        reference = _floor_cell(bench_scenarios, scenario, goal.row)
+    ratio = _ratio(cell, reference)
+    return goal.target.met(cell, reference), ratio if ratio == "-" else f"{ratio}x"

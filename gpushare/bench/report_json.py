@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from .fmt import _floor_cell, _kernel_row, _peer_row, _rate, _rate_floor
+from .fmt import _floor_cell, _goal_status, _kernel_row, _peer_row, _rate, _rate_floor
 from .results import Scenario
 from .settings import KERNEL_TARGET, PEER_TARGET, STREAM_ACK_EVERY, STREAM_WINDOW, Target
 
@@ -29,6 +29,7 @@ def _scenario_json(scenarios: dict[str, Scenario], s: Scenario) -> dict[str, Any
                 "skipped": series.skipped,
                 "errors": series.errors,
                 "cells": {row: asdict(cell) for row, cell in series.cells.items()},
+                **({"skips": series.skips} if series.skips else {}),
             }
             for name, series in s.systems.items()
         },
@@ -38,6 +39,23 @@ def _scenario_json(scenarios: dict[str, Scenario], s: Scenario) -> dict[str, Any
         out["row_errors"] = s.row_errors
     if s.targets:
         out["targets"] = {row: _target_json(scenarios, s, row, target) for row, target in s.targets.items()}
+    if s.goals:
+        out["goals"] = [
+            {
+                "system": goal.system,
+                "row": goal.row,
+                "text": goal.text,
+                "kind": goal.target.kind,
+                "limit": goal.target.limit,
+                "against": list(goal.against) or (list(s.floor) if s.floor else None),
+                "met": met,
+                "measured": figure,
+            }
+            for goal in s.goals
+            for met, figure in [_goal_status(scenarios, s, goal)]
+        ]
+    if s.kind == "latency" and s.details:
+        out["details"] = s.details
     if s.kind == "rate":
         # The cells above are times per item (us); this is the table of the report, in items/s.
         out["window"] = STREAM_WINDOW

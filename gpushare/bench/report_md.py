@@ -15,6 +15,7 @@ from .fmt import (
     _fmt_cell,
     _fmt_gbps,
     _fmt_rate,
+    _goal_status,
     _kernel_row,
     _met_text,
     _peer_row,
@@ -149,7 +150,35 @@ def _render_scenario(scenarios: dict[str, Scenario], scenario: Scenario) -> list
             for row, target in scenario.targets.items()
         )
         out.append(f"- Targets (median): {goals}.")
+    for goal in scenario.goals:
+        met, figure = _goal_status(scenarios, scenario, goal)
+        out.append(f"- Target, {scenario.row_label} {goal.row}: {goal.text}: {_met_text(met)} ({figure}).")
+    out += _render_memory(scenario)
     return _with_trailer(out, scenario)
+
+
+def _render_memory(scenario: Scenario) -> list[str]:
+    """A scenario's device memory per cell (``details["memory"]``: row -> system -> figures), as a table."""
+    memory = scenario.details.get("memory")
+    if not memory:
+        return []
+    systems = [name for name in scenario.systems if any(name in memory.get(row, {}) for row in scenario.rows)]
+    out = [
+        "",
+        f"`{scenario.key}` device memory, MiB: in use by the trainer and the engines once set up "
+        "(growth over the timed syncs)",
+        "",
+        "| " + " | ".join([scenario.row_label, *systems]) + " |",
+        "|" + "|".join("---" for _ in range(len(systems) + 1)) + "|",
+    ]
+    for row in scenario.rows:
+        cells = [row]
+        for name in systems:
+            figures = memory.get(row, {}).get(name)
+            cells.append("-" if figures is None else f"{figures['used_mib']:,} ({figures['growth_mib']:+,})")
+        out.append("| " + " | ".join(cells) + " |")
+    out.append("")
+    return out
 
 
 def _with_trailer(out: list[str], scenario: Scenario) -> list[str]:
@@ -158,6 +187,8 @@ def _with_trailer(out: list[str], scenario: Scenario) -> list[str]:
     for name, series in scenario.systems.items():
         if series.skipped is not None:
             out.append(f"- {name}: skipped: {series.skipped}")
+        for row, reason in series.skips.items():
+            out.append(f"- {name}, {scenario.row_label} {row}: skipped: {reason}")
         for row, error in series.errors.items():
             out.append(f"- {name}, {scenario.row_label} {row}: error: {error}")
     for row, reason in scenario.row_skips.items():

@@ -21,6 +21,22 @@ class Series:
     cells: dict[str, Cell] = field(default_factory=dict)
     skipped: str | None = None
     errors: dict[str, str] = field(default_factory=dict)
+    skips: dict[str, str] = field(default_factory=dict)  # single cells skipped (the rest of the column runs)
+
+
+@dataclass(frozen=True)
+class Goal:
+    """A target one system is judged on at one row, beyond the row's ``targets``.
+
+    ``target`` is ``ratio_max`` against ``against`` (the fastest of those systems at the
+    same row; empty: the scenario's floor) or ``us_max``. ``text`` says it in words.
+    """
+
+    system: str
+    row: str
+    target: Target
+    text: str
+    against: tuple[str, ...] = ()
 
 
 @dataclass
@@ -48,6 +64,7 @@ class Scenario:
     target_systems: list[str] | None = None  # systems judged against the targets; None: all of them
     # per system, per row: a goal other than the row's (the ring's rate, next to the Queue's)
     system_targets: dict[str, dict[str, Target]] = field(default_factory=dict)
+    goals: list[Goal] = field(default_factory=list)  # further targets, several per system and row
 
     def target_for(self, system: str, row: str) -> Target | None:
         """The goal ``system`` is judged on at ``row``: its own, else the row's."""
@@ -65,6 +82,7 @@ class Task:
     row: str
     run: Callable[[], Samples] | None
     skip: str | None = None
+    cell: bool = False  # the skip is this cell's alone (e.g. it would not fit in memory), not its column's
 
 
 def _bind(fn: Callable[..., Samples], *args: Any) -> Callable[[], Samples]:

@@ -131,12 +131,20 @@ class Bench:
         return True
 
     def task(
-        self, scenario: str, system: str | None, row: str, run: Callable[[], Samples] | None, skip: str | None
+        self,
+        scenario: str,
+        system: str | None,
+        row: str,
+        run: Callable[[], Samples] | None,
+        skip: str | None,
+        *,
+        cell: bool = False,
     ) -> None:
-        """One cell to run (``run``) or to list as skipped (``skip``); ``system`` None fills a whole row."""
+        """One cell to run (``run``) or to list as skipped (``skip``); ``system`` None fills a whole row.
+        ``cell``: a skip concerns this cell only (the column's other rows still run)."""
         if system is not None:
             self.scenarios[scenario].systems.setdefault(system, Series())
-        self.tasks.append(Task(scenario, system, row, run, skip))
+        self.tasks.append(Task(scenario, system, row, run, skip, cell))
 
     # -- run -----------------------------------------------------------------------
     def run(self, after_round: Callable[[int], None] | None = None) -> None:
@@ -175,7 +183,9 @@ class Bench:
             head = f"{tag}[{index:>{width}}/{total}] {t.scenario} | {t.system or 'all'} | {t.row}"
             if t.skip is not None or t.run is None:
                 reason = t.skip or "not run"
-                if series is not None:
+                if series is not None and t.cell:
+                    series.skips[t.row] = reason
+                elif series is not None:
                     series.skipped = reason
                 else:
                     scenario.row_skips[t.row] = reason

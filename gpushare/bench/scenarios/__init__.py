@@ -23,6 +23,7 @@ MODULES = (
     "kernel_read",
     "host",
     "dataloader",
+    "weight_sync",
 )
 
 

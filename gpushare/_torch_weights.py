@@ -1,0 +1,285 @@
+"""Weight sync for PyTorch modules on a gpushare TensorSet (re-exported by :mod:`gpushare.torch`).
+
+The trainer::
+
+    from gpushare.torch import publish_state_dict, state_dict_layout
+
+    ts = manager.tensor_set(state_dict_layout(model.state_dict()), versions=2, device=0)
+    ...                                      # hand ts to the engines (Process argument, Queue, Ray actor)
+    for step in range(steps):
+        train_step(model)
+        publish_state_dict(ts, model.state_dict())   # one multi-tensor copy, then publish
+
+An engine, in copy mode (its own weights; the version is let go at once)::
+
+    with reader.wait(newer_than=version) as snap:
+        load_state_dict(engine_model, snap)         # one batched copy (cuMemcpyBatchAsync)
+        version = snap.version
+
+or zero-copy (the engine's parameters and buffers *are* the version)::
+
+    snap = reader.wait(newer_than=version)
+    bind(engine_model, snap)    # rebinds every tensor; the snapshot bound before is released
+    version = snap.version
+
+How each works:
+
+* :func:`state_dict_layout` turns a state dict into a layout: each tensor's
+  shape and dtype, with a tag for dtypes NumPy lacks (``bfloat16``,
+  ``float8_*``), stored as unsigned ints of their size, as
+  ``gpushare.torch.DataLoader`` stores them.
+* :func:`publish_state_dict` takes a draft (a version no engine holds; the
+  current torch stream waits for the engines' last reads of it), copies the
+  state dict into that version with ``torch._foreach_copy_`` (a few
+  multi-tensor kernels) on the current torch stream, and publishes the draft
+  with that stream: the version's ready event is recorded after the copies.
+  Nothing waits on the host. The torch tensors over each version are made
+  once per version and kept with the set (making 200 tensors through DLPack
+  would cost milliseconds per publish).
+* :func:`load_state_dict` copies a snapshot into a module's own parameters
+  and buffers with :meth:`~gpushare.Snapshot.copy_to` on the current torch
+  stream (one batched driver call; torch sees ordinary stream order).
+* :func:`bind` makes each parameter and buffer of a module a tensor viewing
+  the snapshot's memory (``param.data = view``; buffers are replaced), so
+  the module runs on the published weights with no copy; on CUDA the views
+  come through DLPack, so torch's stream waits for the version's ready
+  event. The module keeps the snapshot; the next ``bind`` releases the one
+  before, after every tensor points at the new one. Snapshots hold their
+  version while bound: an engine that binds holds one version at a time, so
+  a set for binding engines needs ``versions=2`` at least.
+
+torch is imported with this module; gpushare's core never imports it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import torch
+
+from ._errors import LayoutError
+
+__all__ = [
+    "IncompatibleKeys",
+    "as_tensor",
+    "as_tensors",
+    "bind",
+    "load_state_dict",
+    "publish_state_dict",
+    "state_dict_layout",
+]
+
+_NUMPY_DTYPES = {
+    torch.bool: "bool",
+    torch.uint8: "uint8",
+    torch.int8: "int8",
+    torch.int16: "int16",
+    torch.int32: "int32",
+    torch.int64: "int64",
+    torch.float16: "float16",
+    torch.float32: "float32",
+    torch.float64: "float64",
+    torch.complex64: "complex64",
+    torch.complex128: "complex128",
+}
+_UNSIGNED = {1: "uint8", 2: "uint16", 4: "uint32", 8: "uint64"}
+_BOUND = "_gpushare_snapshot"  # the attribute a bound module keeps its snapshot in
+
+
+class IncompatibleKeys(NamedTuple):
+    """What :func:`load_state_dict` and :func:`bind` could not match (as torch's ``load_state_dict``)."""
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+
+def _layout_dtype(dtype: torch.dtype) -> tuple[str, str | None]:
+    """The NumPy dtype a tensor is stored as, and a tag naming the torch dtype when NumPy has none."""
+    known = _NUMPY_DTYPES.get(dtype)
+    if known is not None:
+        return known, None
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return _UNSIGNED[itemsize], str(dtype).rsplit(".", 1)[-1]  # bfloat16, float8_*, uint16, ...
+
+
+def state_dict_layout(state_dict: Mapping[str, Any]) -> dict[str, tuple[Any, ...]]:
+    """A tensor set layout from ``state_dict`` (``model.state_dict()``): name -> ``(shape, dtype[, tag])``.
+
+    Pass it to ``manager.tensor_set(...)``. Tensors whose dtype NumPy lacks
+    (bfloat16, float8) are stored as unsigned ints of their size with a tag.
+    """
+    layout: dict[str, tuple[Any, ...]] = {}
+    for name, tensor in state_dict.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise LayoutError(
+                f"state dict entry {name!r} is a {type(tensor).__name__}, not a tensor; a tensor set holds tensors "
+                "only (drop other entries, or send them another way)"
+            )
+        stored, tag = _layout_dtype(tensor.dtype)
+        layout[name] = (tuple(tensor.shape), stored) if tag is None else (tuple(tensor.shape), stored, tag)
+    return layout
+
+
+def as_tensor(view: Any) -> torch.Tensor:
+    """A torch tensor viewing one tensor of a snapshot or draft (no copy), in its torch dtype.
+
+    The tensor holds the view, and so the version: on the host through the
+    NumPy array it is made from, on CUDA through DLPack (torch's current
+    stream waits for the version's ready event).
+    """
+    if view.device == "cpu":
+        tensor = torch.from_numpy(view.numpy())
+    else:
+        tensor = torch.from_dlpack(view)
+    tag = view.tag
+    return tensor.view(getattr(torch, tag)) if tag else tensor
+
+
+def as_tensors(snapshot: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """Every tensor of a snapshot (or draft) as a torch tensor viewing it (see :func:`as_tensor`)."""
+    return {name: as_tensor(snapshot[name]) for name in snapshot}
+
+
+def _stream_of(device: Any) -> Any:
+    """torch's current stream on a CUDA ``device`` (an ordinal), or None on the host."""
+    return torch.cuda.current_stream(device) if isinstance(device, int) else None
+
+
+def publish_state_dict(
+    tensor_set: Any, state_dict: Mapping[str, torch.Tensor], *, stream: Any = None, timeout: float | None = None
+) -> int:
+    """Publish ``state_dict`` as a new version of ``tensor_set``; return the version number.
+
+    Copies every tensor into a draft with ``torch._foreach_copy_`` on ``stream``
+    (default: torch's current stream on the set's device), then publishes the
+    draft on that stream; waits at most ``timeout`` seconds for a version no
+    engine holds. The state dict must have every name of the set's layout,
+    each tensor of the layout's shape and dtype (no casting).
+    """
+    names = tensor_set.names
+    missing = [n for n in names if n not in state_dict]
+    unexpected = [n for n in state_dict if n not in tensor_set.layout]
+    if missing or unexpected:
+        raise LayoutError(
+            f"the state dict does not match the tensor set's layout: missing {missing[:5]}, unexpected "
+            f"{unexpected[:5]}; make the set from this model's state_dict_layout(model.state_dict())"
+        )
+    device = tensor_set.device
+    on = stream if stream is not None else _stream_of(device)
+    if on is not None and not isinstance(on, torch.cuda.Stream):
+        on = torch.cuda.ExternalStream(int(on), device=device)  # an int CUstream handle
+    draft = tensor_set.draft(timeout, stream=on)
+    try:
+        dsts = _version_tensors(tensor_set, draft.slot)
+        srcs = []
+        for name, dst in zip(names, dsts, strict=True):
+            src = state_dict[name]
+            if src.shape != dst.shape or src.dtype != dst.dtype:
+                raise LayoutError(
+                    f"state dict tensor {name!r} is {tuple(src.shape)} {src.dtype}; the layout says "
+                    f"{tuple(dst.shape)} {dst.dtype} (no casting or reshaping)"
+                )
+            srcs.append(src)
+        with torch.no_grad(), torch.cuda.stream(on) if on is not None else contextlib.nullcontext():
+            if hasattr(torch, "_foreach_copy_"):
+                torch._foreach_copy_(dsts, srcs)
+            else:  # an older torch: one copy per tensor
+                for dst, src in zip(dsts, srcs, strict=True):
+                    dst.copy_(src)
+    except BaseException:
+        draft.release()
+        raise
+    return int(tensor_set.publish(draft, stream=on))
+
+
+def _version_tensors(tensor_set: Any, slot: int) -> list[torch.Tensor]:
+    """Torch tensors over every tensor of version ``slot``, in layout order, made once per version.
+
+    Making a tensor from a Buffer costs tens of microseconds (DLPack); a trainer that
+    publishes a 200-tensor state dict every step would pay milliseconds. These views are
+    written only by :func:`publish_state_dict`, while it holds a draft of that version.
+    """
+    cache = tensor_set._adapters.setdefault("torch", {})
+    tensors = cache.get(slot)
+    if tensors is None:
+        buffer = tensor_set._version_buffer(slot)
+        flat = torch.from_numpy(buffer.numpy()) if buffer.device == "cpu" else torch.from_dlpack(buffer)
+        buffer.release()  # the tensor keeps a count of its own
+        tensors = []
+        for spec in tensor_set.layout.values():
+            dtype = getattr(torch, spec.tag or spec.dtype.name)
+            tensors.append(flat[spec.offset : spec.offset + spec.nbytes].view(dtype).view(spec.shape))
+        cache[slot] = tensors
+    return tensors  # type: ignore[no-any-return]
+
+
+def _match(module: torch.nn.Module, snapshot: Mapping[str, Any], strict: bool) -> tuple[Any, IncompatibleKeys]:
+    own = module.state_dict(keep_vars=True)
+    missing = [name for name in own if name not in snapshot]
+    unexpected = [name for name in snapshot if name not in own]
+    if strict and (missing or unexpected):
+        raise LayoutError(
+            f"the snapshot does not match the module: missing {missing[:5]}, unexpected {unexpected[:5]} "
+            f"({len(missing)} and {len(unexpected)}); pass strict=False to load what matches"
+        )
+    return own, IncompatibleKeys(missing, unexpected)
+
+
+def load_state_dict(module: torch.nn.Module, snapshot: Mapping[str, Any], *, strict: bool = True) -> IncompatibleKeys:
+    """Copy ``snapshot`` into ``module``'s own parameters and buffers (copy mode), in one batched copy.
+
+    The copies run on torch's current stream of the module's device (no host
+    wait on a GPU): later work on that stream sees the new weights. Release
+    the snapshot afterwards (``with reader.wait(...) as snap:``). ``strict``:
+    names must match exactly (else :class:`~gpushare.LayoutError`);
+    otherwise returns the missing and unexpected names.
+    """
+    own, keys = _match(module, snapshot, strict)
+    # The module's own tensor objects (not .data, a new object each time): the same objects come
+    # every time, so the snapshot's layout remembers the checks (see gpushare._fanout._copy).
+    targets = {name: own[name] for name in snapshot if name in own}
+    devices = {t.device for t in targets.values()}
+    cuda = [d for d in devices if d.type == "cuda"]
+    snapshot.copy_to(targets, stream=torch.cuda.current_stream(cuda[0]) if cuda else None)  # type: ignore[attr-defined]
+    return keys
+
+
+def _owner_of(module: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
+    path, _, attribute = name.rpartition(".")
+    return (module.get_submodule(path) if path else module), attribute
+
+
+def bind(module: torch.nn.Module, snapshot: Any, *, strict: bool = True) -> IncompatibleKeys:
+    """Zero-copy: make ``module``'s parameters and buffers view ``snapshot``'s memory.
+
+    Each parameter keeps its identity (``param.data`` is replaced); each
+    buffer is replaced by the view. The module keeps the snapshot, and the
+    snapshot bound before (if any) is released once every tensor points at
+    the new one. Shapes and dtypes must match (no casting); ``strict`` as
+    :func:`load_state_dict`. The module's tensors end up on the snapshot's
+    device.
+    """
+    own, keys = _match(module, snapshot, strict)
+    tensors = {name: as_tensor(snapshot[name]) for name in snapshot if name in own}
+    for name, tensor in tensors.items():
+        current = own[name]
+        if current.shape != tensor.shape or current.dtype != tensor.dtype:
+            raise LayoutError(
+                f"module tensor {name!r} is {tuple(current.shape)} {current.dtype}; the snapshot's is "
+                f"{tuple(tensor.shape)} {tensor.dtype}: bind() needs the layout the module was built with"
+            )
+    with torch.no_grad():
+        for name, tensor in tensors.items():
+            current = own[name]
+            if isinstance(current, torch.nn.Parameter):
+                current.data = tensor
+            else:
+                owner, attribute = _owner_of(module, name)
+                owner._buffers[attribute] = tensor
+    previous = module.__dict__.get(_BOUND)
+    module.__dict__[_BOUND] = snapshot
+    if previous is not None and previous is not snapshot:
+        previous.release()
+    return keys

@@ -1,0 +1,182 @@
+"""Weight sync for torch modules (gpushare.torch): state dicts on a TensorSet, copy mode and zero-copy.
+
+Skipped where torch is not installed. The unmarked tests run on the host
+backend (CPU tensors viewing shared memory) with engines in spawned
+processes; the ``gpu`` ones run the same on CUDA.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+from conftest import GPU_TIMEOUT, recv, run_guarded, wait_until
+
+torch = pytest.importorskip("torch")
+
+import gpushare as mp  # noqa: E402
+from gpushare.torch import as_tensors, bind, load_state_dict, publish_state_dict, state_dict_layout  # noqa: E402
+
+T = 60
+
+
+class Net(torch.nn.Module):  # type: ignore[misc]
+    """Float32 and bfloat16 parameters, BatchNorm buffers (an int64 one among them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(8, 16)
+        self.norm = torch.nn.BatchNorm1d(16)
+        self.fc2 = torch.nn.Linear(16, 4).to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.norm(self.fc1(x)).to(torch.bfloat16)).float()
+
+
+def tw_checksum(state: dict[str, torch.Tensor]) -> float:
+    return sum(float(state[name].double().sum()) for name in sorted(state))
+
+
+def tw_step(model: Net, step: int) -> None:
+    """The trainer's "training": every tensor changes with the step."""
+    with torch.no_grad():
+        for tensor in model.state_dict().values():
+            tensor.add_(step if tensor.dtype == torch.int64 else 0.25 * step)
+
+
+# -- engines ------------------------------------------------------------------------------------
+
+
+def tw_copy_engine(out, reader, last, device) -> None:
+    torch.manual_seed(1)
+    model = Net().to(device).eval()
+    version, seen = 0, []
+    while version < last:
+        with reader.wait(newer_than=version, timeout=T) as snap:
+            load_state_dict(model, snap)
+            version = snap.version
+        seen.append((version, tw_checksum(model.state_dict())))
+    out.put(("seen", seen))
+
+
+def tw_bind_engine(out, reader, last, device) -> None:
+    model = Net().to(device).eval()
+    param = model.fc2.weight
+    version, seen = 0, []
+    x = torch.ones(2, 8, device=device)
+    while version < last:
+        snap = reader.wait(newer_than=version, timeout=T)
+        bind(model, snap)
+        version = snap.version
+        view_ptr = snap["fc2.weight"].ptr
+        inside = model.fc2.weight.data_ptr() == view_ptr and model.fc2.weight is param
+        buffer_inside = model.norm.running_mean.data_ptr() == snap["norm.running_mean"].ptr
+        y = model(x)  # runs on the published weights
+        seen.append((version, tw_checksum(model.state_dict()), inside and buffer_inside, tuple(y.shape)))
+        out.put(("bound", version))
+    out.put(("seen", seen))
+
+
+# -- host backend ------------------------------------------------------------------------------
+
+
+def test_state_dict_layout_tags_what_numpy_lacks() -> None:
+    layout = state_dict_layout(Net().state_dict())
+    assert layout["fc1.weight"] == ((16, 8), "float32")
+    assert layout["fc2.weight"] == ((4, 16), "uint16", "bfloat16")
+    assert layout["norm.num_batches_tracked"] == ((), "int64")
+    with pytest.raises(mp.LayoutError, match="'x' is a str"):
+        state_dict_layout({"x": "not a tensor"})
+
+
+def test_publish_and_load_and_bind_in_one_process(manager) -> None:
+    trainer = Net()
+    with manager.tensor_set(state_dict_layout(trainer.state_dict()), device="cpu") as ts:
+        reader = pickle.loads(pickle.dumps(ts))
+        tw_step(trainer, 1)
+        assert publish_state_dict(ts, trainer.state_dict()) == 1
+        engine = Net()
+        with reader.latest(timeout=5) as snap:
+            load_state_dict(engine, snap)
+        assert tw_checksum(engine.state_dict()) == tw_checksum(trainer.state_dict())
+        assert ts.stats()["held"] == {}  # copy mode lets the version go
+
+        wrong = dict(trainer.state_dict(), **{"fc1.bias": torch.zeros(16, dtype=torch.float64)})
+        with pytest.raises(mp.LayoutError, match=r"'fc1.bias' is \(16,\) torch.float64"):
+            publish_state_dict(ts, wrong)
+        with pytest.raises(mp.LayoutError, match=r"missing \['fc2.bias'\]"):
+            publish_state_dict(ts, {k: v for k, v in trainer.state_dict().items() if k != "fc2.bias"})
+        assert ts.stats()["writing"] == 0 and ts.version == 1  # the failed drafts went back
+
+        bound = Net()
+        snap = reader.latest(timeout=5)
+        bind(bound, snap)
+        views = as_tensors(snap)
+        assert bound.fc1.weight.data_ptr() == views["fc1.weight"].data_ptr()
+        assert tw_checksum(bound.state_dict()) == tw_checksum(trainer.state_dict())
+        del snap, views
+        assert ts.stats()["held"] == {1: [ts.stats()["reader_pids"][0]]}  # held through the module
+        tw_step(trainer, 2)
+        publish_state_dict(ts, trainer.state_dict())
+        bind(bound, reader.latest(timeout=5))  # the next version; the first is released
+        assert ts.stats()["held"] == {2: [ts.stats()["reader_pids"][0]]}
+        assert tw_checksum(bound.state_dict()) == tw_checksum(trainer.state_dict())
+
+        other = torch.nn.Linear(8, 16)
+        with reader.latest(timeout=5) as snap:
+            with pytest.raises(mp.LayoutError, match="missing"):
+                load_state_dict(other, snap)
+            keys = load_state_dict(other, snap, strict=False)
+            assert keys.missing_keys == ["weight", "bias"] and "fc1.weight" in keys.unexpected_keys
+        reader.close()
+
+
+@pytest.mark.parametrize("engine", ["copy", "bind"])
+def test_engines_in_processes_follow_the_trainers_state_dict(manager, reap, engine) -> None:
+    trainer = Net()
+    last = 12
+    with manager.tensor_set(state_dict_layout(trainer.state_dict()), versions=2, device="cpu") as ts:
+        target = tw_copy_engine if engine == "copy" else tw_bind_engine
+        out = run_guarded(reap, target, ts, last, "cpu")
+        wait_until(lambda: ts.stats()["readers"] == 1, timeout=30)
+        expected = {}
+        for step in range(1, last + 1):
+            tw_step(trainer, step)
+            version = publish_state_dict(ts, trainer.state_dict(), timeout=T)
+            expected[version] = tw_checksum(trainer.state_dict())
+            if engine == "bind":  # zero-copy: the engine holds one version; wait until it bound this one
+                assert recv(out, timeout=T) == ("bound", version)
+        tag, seen = recv(out, timeout=T)
+    assert tag == "seen" and seen[-1][0] == last
+    for version, total, *rest in seen:
+        assert total == expected[version], version
+        if rest:
+            inside, shape = rest
+            assert inside and shape == (2, 4)
+
+
+# -- GPU -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("engine", ["copy", "bind"])
+def test_gpu_engines_follow_the_trainers_state_dict(manager, reap, engine) -> None:
+    trainer = Net().cuda()
+    last = 8
+    with manager.tensor_set(state_dict_layout(trainer.state_dict()), versions=2, device=0) as ts:
+        target = tw_copy_engine if engine == "copy" else tw_bind_engine
+        out = run_guarded(reap, target, ts, last, "cuda")
+        wait_until(lambda: ts.stats()["readers"] == 1, timeout=GPU_TIMEOUT)
+        expected = {}
+        for step in range(1, last + 1):
+            tw_step(trainer, step)  # queued on the default stream; the copies follow it there
+            version = publish_state_dict(ts, trainer.state_dict(), timeout=T)
+            expected[version] = tw_checksum(trainer.state_dict())
+            if engine == "bind":
+                assert recv(out, timeout=120) == ("bound", version)
+        tag, seen = recv(out, timeout=120)
+    assert tag == "seen" and seen[-1][0] == last
+    for version, total, *rest in seen:
+        assert total == expected[version], version
+        if rest:
+            assert rest[0] and rest[1] == (2, 4)
