@@ -595,3 +595,200 @@ def test_weight_sync_is_skipped_cleanly_without_a_gpu(tmp_path: Path) -> None:
     assert "`weight_sync_8b`: skipped: run with the host backend" in markdown
     report = json.loads((tmp_path / "benchmarks.json").read_text(encoding="utf-8"))
     assert report["scenarios"]["weight_sync"]["skipped"].startswith("run with the host backend")
+
+
+# -- dataloader_gpu_samples and dataloader_cpu_samples ---------------------------------------------
+
+
+def _loader_bench(tmp_path: Path, *keys: str) -> Any:
+    """A Bench planned with the named scenarios alone, on the host backend."""
+    from gpushare.bench.runner import Bench
+
+    cfg = dataclasses.replace(
+        cli._parse(["--backend", "host", "--quick", "--out", str(tmp_path)]), only=frozenset(keys)
+    )
+    bench = Bench(cfg)
+    bench.probe()
+    bench.plan()
+    return bench
+
+
+@pytest.mark.timeout(150)
+def test_dataloader_gpu_samples_runs_its_grid_on_the_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scenario's plumbing with samples made on the CPU (DEVICE="cpu") and tiny counts: both loaders,
+    a new loader per epoch and a persistent one, real spawned workers; the time-per-batch and first-batch
+    tables, their targets and the batches/s table in both reports."""
+    pytest.importorskip("torch")
+    from gpushare.bench.scenarios import dataloader_gpu as dg
+
+    monkeypatch.setattr(dg, "DEVICE", "cpu")
+    monkeypatch.setattr(dg, "WORKERS", (1,))
+    monkeypatch.setattr(dg, "SIZES", (dg.MiB,))
+    monkeypatch.setattr(dg, "BATCH", 4)
+    monkeypatch.setattr(dg, "CHUNK", 2)
+    monkeypatch.setattr(dg, "CHUNKS", 2)
+    monkeypatch.setattr(dg, "FLAT_CELL", (1, dg.MiB))
+    monkeypatch.setattr(dg, "QUICK", dg.Counts(per_epoch=1, flat=3, persistent=2))
+    bench = _loader_bench(tmp_path, dg.KEY)
+    per_epoch, persistent = dg.row_label(1, dg.MiB, dg.PER_EPOCH), dg.row_label(1, dg.MiB, dg.PERSISTENT)
+    assert per_epoch == "1 workers, 1 MiB, new loader per epoch"
+    assert [(t.system, t.row) for t in bench.tasks] == [
+        (system, row) for row in (per_epoch, persistent) for system in dg.SYSTEMS
+    ]
+    bench.run()
+    cli.write_reports(bench, str(tmp_path))
+
+    report = json.loads((tmp_path / "benchmarks.json").read_text(encoding="utf-8"))
+    assert list(report["scenarios"]) == [dg.KEY, dg.FIRST_KEY]
+    main, first = report["scenarios"][dg.KEY], report["scenarios"][dg.FIRST_KEY]
+    assert main["rows"] == [per_epoch, persistent] and main["floor"] == [dg.KEY, dg.TORCH_LOADER]
+    first_rows = [per_epoch, f"{persistent}: epoch 0", f"{persistent}: later epochs"]
+    assert first["rows"] == first_rows
+    for name in dg.SYSTEMS:
+        series = main["systems"][name]
+        assert series["errors"] == {} and series["skipped"] is None, series
+        # chunks per epoch x epochs: 3 new loaders, 2 persistent epochs
+        assert {row: cell["n"] for row, cell in series["cells"].items()} == {per_epoch: 6, persistent: 4}
+        assert {row: cell["n"] for row, cell in first["systems"][name]["cells"].items()} == dict(
+            zip(first_rows, (3, 1, 1), strict=True)
+        )
+    for scenario in (main, first):
+        for row, target in scenario["targets"].items():
+            cells = scenario["systems"]
+            ratio = cells[dg.GS_LOADER]["cells"][row]["median_us"] / cells[dg.TORCH_LOADER]["cells"][row]["median_us"]
+            assert target["limit"] == 1.0 and target["met"] == {dg.GS_LOADER: ratio <= 1.0}, (row, target)
+    assert "checks" not in main  # no device memory on the CPU
+    (rates,) = main["tables"]
+    assert [r[0] for r in rates["rows"]] == [per_epoch, persistent] and all(r[1] != "-" for r in rates["rows"])
+    markdown = (tmp_path / "benchmarks.md").read_text(encoding="utf-8")
+    assert dg.HOW in markdown and f"`{dg.KEY}` batches per second" in markdown
+    assert f"| {persistent}: later epochs |" in markdown
+
+
+def test_dataloader_gpu_samples_judges_device_memory_and_its_flatness(tmp_path: Path) -> None:
+    """The memory targets from the figures a GPU run records: gpushare's <= torch's, and flat over the
+    new-loader epochs; a cell with one system only cannot be judged."""
+    from gpushare.bench.report_md import _render_scenario
+    from gpushare.bench.scenarios import dataloader_gpu as dg
+
+    bench = _loader_bench(tmp_path, dg.KEY)
+    bench.scenarios[dg.KEY].skipped = None  # planned on the host: figures as a GPU run records them
+    rows = bench.scenarios[dg.KEY].rows
+    per_epoch, persistent = rows[0], rows[1]
+
+    def figures(first: float, last: float, epochs: int) -> dict[str, Any]:
+        return {
+            "epochs": epochs,
+            "first_epoch_mib": first,
+            "last_epoch_mib": last,
+            "growth_mib": last - first,
+            "max_mib": max(first, last),
+            "trainer_allocated_mib": 0.0,
+        }
+
+    bench.scenarios[dg.KEY].details["device_memory"] = {
+        per_epoch: {dg.TORCH_LOADER: figures(2600, 2600, 20), dg.GS_LOADER: figures(2100, 2140, 20)},
+        persistent: {dg.GS_LOADER: figures(2100, 2100, 3)},
+    }
+    dg.refresh(bench, (dg.GS_LOADER, per_epoch, [1_000_000]))
+    main = bench.scenarios[dg.KEY]
+    verdicts = {(c.row, c.text.split(" device memory ")[1]): (c.met, c.measured) for c in main.checks}
+    assert verdicts == {
+        (per_epoch, f"<= {dg.TORCH_LOADER}'s"): (True, "2,100 MiB vs 2,600 MiB"),
+        (per_epoch, f"flat over 20 epochs, a new loader each (growth <= {dg.FLAT_MIB} MiB)"): (
+            False,
+            "2,100 -> 2,140 MiB, +40.0 MiB",
+        ),
+        (persistent, f"<= {dg.TORCH_LOADER}'s"): (None, "-"),
+    }
+    markdown = "\n".join(_render_scenario(bench.scenarios, main))
+    assert f"- Target, cell {per_epoch}: {dg.GS_LOADER} device memory <= {dg.TORCH_LOADER}'s: met" in markdown
+    assert "flat over 20 epochs, a new loader each (growth <= 8 MiB): not met (2,100 -> 2,140 MiB" in markdown
+    assert f"| {per_epoch} | 2,600 | 2,600 (+0 over 20 epochs) | 0 | 2,100 | 2,140 (+40 over 20 epochs) | 0 |" in (
+        markdown
+    )
+    assert f"| {per_epoch} | - | 1,000 | - |" in markdown  # batches/s: the pending cell's 1 ms per batch
+
+
+@pytest.mark.timeout(150)
+def test_dataloader_cpu_samples_runs_on_the_cpu_and_a_wrong_batch_fails_the_cell(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The scenario's plumbing with small images and no GPU (no pinning, no copies): both loaders over
+    uint8 and float32 samples, their tables and targets; then a trainer that expects other values than
+    the workers make (its MODULUS changed: spawned workers keep the module's) fails the cell."""
+    pytest.importorskip("torch")
+    from gpushare.bench.scenarios import dataloader_cpu as dc
+
+    monkeypatch.setattr(dc, "DEVICE", "cpu")
+    monkeypatch.setattr(dc, "SHAPE", (3, 8, 8))
+    monkeypatch.setattr(dc, "BATCH", 4)
+    monkeypatch.setattr(dc, "WORKERS", (1,))
+    monkeypatch.setattr(dc, "QUICK", dc.Counts(count=3, repeats=2, warmup=2))
+    bench = _loader_bench(tmp_path, dc.KEY)
+    rows = ["uint8, 1 workers", "float32, 1 workers"]
+    assert [(t.system, t.row) for t in bench.tasks] == [(system, row) for row in rows for system in dc.SYSTEMS]
+    bench.run()
+    cli.write_reports(bench, str(tmp_path))
+    report = json.loads((tmp_path / "benchmarks.json").read_text(encoding="utf-8"))
+    assert list(report["scenarios"]) == [dc.KEY, dc.FIRST_KEY]
+    main, first = report["scenarios"][dc.KEY], report["scenarios"][dc.FIRST_KEY]
+    for name in dc.SYSTEMS:
+        assert main["systems"][name]["errors"] == {}, main["systems"][name]
+        assert {row: cell["n"] for row, cell in main["systems"][name]["cells"].items()} == dict.fromkeys(rows, 2)
+        assert {row: cell["n"] for row, cell in first["systems"][name]["cells"].items()} == dict.fromkeys(rows, 1)
+    assert {row: t["limit"] for row, t in main["targets"].items()} == dict.fromkeys(rows, 0.833)
+    assert {row: t["limit"] for row, t in first["targets"].items()} == dict.fromkeys(rows, 1.0)
+    for row, target in main["targets"].items():
+        ratio = (
+            main["systems"][dc.GS_LOADER]["cells"][row]["median_us"]
+            / main["systems"][dc.TORCH_LOADER]["cells"][row]["median_us"]
+        )
+        assert target["met"] == {dc.GS_LOADER: ratio <= 0.833}
+    assert [table["caption"].split(" ", 1)[1] for table in main["tables"]] == [
+        "batches per second (1e6 / median us per batch)"
+    ]
+    assert dc.HOW in (tmp_path / "benchmarks.md").read_text(encoding="utf-8")
+
+    monkeypatch.setattr(dc, "MODULUS", 2)  # samples 0 and 1 of batch 0 still match
+    for system in dc.SYSTEMS:
+        with pytest.raises(dc.BenchError, match="delivered a wrong batch: batch 0 differs"):
+            dc.run_cell(system, "uint8", 1, dc.Counts(count=2, repeats=1, warmup=1))
+    monkeypatch.setattr(dc, "VERIFY", 0)  # no batch compared whole: the trainer's count on every batch
+    for system in dc.SYSTEMS:
+        with pytest.raises(dc.BenchError, match="delivered wrong batches: 12 values or labels differ"):
+            dc.run_cell(system, "uint8", 1, dc.Counts(count=1, repeats=1, warmup=1))
+
+
+@pytest.mark.timeout(120)
+def test_dataloader_sample_scenarios_are_skipped_cleanly_without_cuda(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the host backend (a real run of the CLI) and where torch sees no CUDA device, both scenarios
+    and their first-batch tables are skipped with the reason, and nothing runs."""
+    done = _bench(tmp_path, "--only", "dataloader_gpu_samples,dataloader_cpu_samples", timeout=100)
+    assert done.returncode == 0 and ": ERROR" not in done.stderr, done.stderr
+    report = json.loads((tmp_path / "benchmarks.json").read_text(encoding="utf-8"))
+    keys = ["dataloader_gpu_samples", "dataloader_gpu_samples_first", "dataloader_cpu_samples"]
+    keys.append("dataloader_cpu_samples_first")
+    assert [key for key in report["scenarios"] if key != "floors"] == keys
+    markdown = (tmp_path / "benchmarks.md").read_text(encoding="utf-8")
+    for key in keys:
+        assert report["scenarios"][key]["skipped"].startswith("run with the host backend"), key
+        assert f"`{key}`: skipped: run with the host backend" in markdown
+
+    torch = pytest.importorskip("torch")
+    from gpushare.bench.runner import Bench
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = dataclasses.replace(
+        cli._parse(["--quick", "--out", str(tmp_path)]),
+        only=frozenset(["dataloader_gpu_samples", "dataloader_cpu_samples"]),
+    )
+    bench = Bench(cfg)
+    bench.probe()
+    bench.gpu_reason = None  # as on a machine with a GPU whose torch has no CUDA
+    bench.plan()
+    assert bench.tasks == []
+    for key in keys:
+        assert bench.scenarios[key].skipped == f"torch {torch.__version__} sees no CUDA device", key

@@ -152,6 +152,26 @@ What one iteration is, per scenario (one producer, N consumer processes):
     >= 1.1x faster than the best torch pattern; zero-copy <= the floor at
     1 engine; in-place publish <= 100 us. Engines' final weights are
     checksummed against the trainer's.
+``dataloader_gpu_samples``
+    Only with a GPU and torch. gpushare.torch.DataLoader against torch's,
+    samples made on the GPU in the workers, 64 per batch; 4 and 8 workers,
+    4 and 16 MiB batches, a new loader per epoch or one persistent loader.
+    Time per batch (chunks of 10 timed whole), time to the first batch (a
+    companion table, ``dataloader_gpu_samples_first``), batches/s, and the
+    device's used memory at the end of each epoch (trainer and workers)
+    with its growth; 20 new-loader epochs in the 4-worker, 4 MiB cell judge
+    that memory stays flat. Targets: time per batch and first batch <=
+    torch's, device memory <= torch's and flat.
+``dataloader_cpu_samples``
+    Only with a GPU and torch. 3x224x224 uint8 and float32 images made on
+    the CPU in 4 or 8 workers, 64 per batch, for a GPU trainer: torch's
+    ``pin_memory=True`` and ``.cuda(non_blocking=True)`` against
+    gpushare.torch.DataLoader(device="cuda") (page-locked staging in the
+    workers, asynchronous copies into GPU slots). Time per batch, time to
+    the first batch (``dataloader_cpu_samples_first``), page-locked host
+    memory and device memory; every batch checked on the GPU. Targets:
+    >= 1.2x torch's batches/s, first batch <= torch's, staging <= torch's
+    pinned buffers.
 ``host``
     A 64 MiB float32 array on the host backend (always runs, GPU or not):
     a gpushare host buffer written in place, the same buffer refilled with

@@ -54,6 +54,10 @@ def _scenario_json(scenarios: dict[str, Scenario], s: Scenario) -> dict[str, Any
             for goal in s.goals
             for met, figure in [_goal_status(scenarios, s, goal)]
         ]
+    if s.checks:
+        out["checks"] = [asdict(check) for check in s.checks]
+    if s.tables:
+        out["tables"] = [asdict(table) for table in s.tables]
     if s.kind == "latency" and s.details:
         out["details"] = s.details
     if s.kind == "rate":

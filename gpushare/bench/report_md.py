@@ -153,7 +153,12 @@ def _render_scenario(scenarios: dict[str, Scenario], scenario: Scenario) -> list
     for goal in scenario.goals:
         met, figure = _goal_status(scenarios, scenario, goal)
         out.append(f"- Target, {scenario.row_label} {goal.row}: {goal.text}: {_met_text(met)} ({figure}).")
+    for check in scenario.checks:
+        out.append(
+            f"- Target, {scenario.row_label} {check.row}: {check.text}: {_met_text(check.met)} ({check.measured})."
+        )
     out += _render_memory(scenario)
+    out += _render_tables(scenario)
     return _with_trailer(out, scenario)
 
 
@@ -178,6 +183,17 @@ def _render_memory(scenario: Scenario) -> list[str]:
             cells.append("-" if figures is None else f"{figures['used_mib']:,} ({figures['growth_mib']:+,})")
         out.append("| " + " | ".join(cells) + " |")
     out.append("")
+    return out
+
+
+def _render_tables(scenario: Scenario) -> list[str]:
+    """A scenario's extra tables (``scenario.tables``), each under its caption."""
+    out: list[str] = []
+    for table in scenario.tables:
+        out += ["", table.caption, "", "| " + " | ".join(table.header) + " |"]
+        out.append("|" + "|".join("---" for _ in table.header) + "|")
+        out += ["| " + " | ".join(cells) + " |" for cells in table.rows]
+        out.append("")
     return out
 
 

@@ -39,6 +39,26 @@ class Goal:
     against: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True)
+class Check:
+    """A target the scenario judged itself, on figures that are no cell (device memory, say):
+    its verdict (None: it could not be judged) and the figure it was judged on, in words."""
+
+    row: str
+    text: str
+    met: bool | None
+    measured: str
+
+
+@dataclass
+class Table:
+    """An extra table under a scenario's own (memory per cell, say), written out as it is."""
+
+    caption: str
+    header: list[str]
+    rows: list[list[str]]
+
+
 @dataclass
 class Scenario:
     key: str
@@ -65,6 +85,8 @@ class Scenario:
     # per system, per row: a goal other than the row's (the ring's rate, next to the Queue's)
     system_targets: dict[str, dict[str, Target]] = field(default_factory=dict)
     goals: list[Goal] = field(default_factory=list)  # further targets, several per system and row
+    checks: list[Check] = field(default_factory=list)  # targets judged by the scenario itself (memory)
+    tables: list[Table] = field(default_factory=list)  # extra tables under the scenario's own
 
     def target_for(self, system: str, row: str) -> Target | None:
         """The goal ``system`` is judged on at ``row``: its own, else the row's."""

@@ -23,6 +23,8 @@ MODULES = (
     "kernel_read",
     "host",
     "dataloader",
+    "dataloader_gpu",
+    "dataloader_cpu",
     "weight_sync",
 )
 
