@@ -190,7 +190,7 @@ def _render_tables(scenario: Scenario) -> list[str]:
     """A scenario's extra tables (``scenario.tables``), each under its caption."""
     out: list[str] = []
     for table in scenario.tables:
-        out += ["", table.caption, "", "| " + " | ".join(table.header) + " |"]
+        out += ([] if out else [""]) + [table.caption, "", "| " + " | ".join(table.header) + " |"]
         out.append("|" + "|".join("---" for _ in table.header) + "|")
         out += ["| " + " | ".join(cells) + " |" for cells in table.rows]
         out.append("")
