@@ -37,10 +37,6 @@ import gpushare as mp
 from gpushare import _cuda
 
 ROUNDS = 20
-#: A loader's workers and slots do the same on every CUDA backend (the slots are the
-#: trainer's allocations, shared like any buffer), and each round starts a worker that
-#: creates its own CUDA context: loaders are accounted on the host and the default CUDA backend.
-LOADER_BACKENDS = [p for p in BACKENDS if p.id in ("host", "cuda_ipc")]
 
 
 # -- what a process holds ----------------------------------------------------------------
@@ -210,7 +206,7 @@ class Arrays:
         return np.full((2, 8), i, np.float32)
 
 
-@pytest.mark.parametrize("backend", LOADER_BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("persistent", [False, True], ids=["per-epoch", "persistent"])
 @pytest.mark.timeout(300)
 def test_slot_loaders(backend: str, persistent: bool) -> None:
@@ -233,7 +229,7 @@ def test_slot_loaders(backend: str, persistent: bool) -> None:
     account(once, device, timeout=60)
 
 
-@pytest.mark.parametrize("backend", LOADER_BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("persistent", [False, True], ids=["per-epoch", "persistent"])
 @pytest.mark.timeout(600)
 def test_torch_data_loaders(backend: str, persistent: bool) -> None:
