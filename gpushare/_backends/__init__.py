@@ -16,7 +16,7 @@ from .. import _cuda
 from .._errors import BackendUnavailableError, NoDeviceError
 from ._base import Allocation, Backend, Mapping
 
-__all__ = ["BACKENDS", "Allocation", "Backend", "Mapping", "get", "opens", "parse_device", "resolve"]
+__all__ = ["BACKENDS", "Allocation", "Backend", "Mapping", "forget", "get", "opens", "parse_device", "resolve"]
 
 #: Every backend name, in the order ``python -m gpushare info`` lists them.
 BACKENDS = ("cuda_ipc", "cuda_vmm", "cuda_pool", "host")
@@ -56,6 +56,12 @@ def get(name: str) -> Backend:
                 raise BackendUnavailableError(f"unknown backend {name!r}; valid backends are {', '.join(BACKENDS)}")
             _instances[name] = backend
     return backend
+
+
+def forget(scope: bytes) -> None:
+    """Every backend loaded in this process drops its cache for owner ``scope``."""
+    for backend in list(_instances.values()):
+        backend.forget(scope)
 
 
 def opens() -> dict[str, int]:

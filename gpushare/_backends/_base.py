@@ -135,6 +135,11 @@ class Backend(abc.ABC):
     def close(self, mapping: Mapping) -> None:
         """Unmap a mapping made by :meth:`open`."""
 
+    def forget(self, scope: bytes) -> None:
+        """This process is done with owner ``scope`` (its link closed, every mapping
+        of it closed): drop what was cached for it. The default caches nothing."""
+        return None
+
     # -- memory operations (either side) ------------------------------------
     @abc.abstractmethod
     def fill(self, ptr: int, pattern: bytes, nbytes: int, device: int | None) -> None:

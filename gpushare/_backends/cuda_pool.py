@@ -12,6 +12,11 @@ the owner over SCM_RIGHTS the first time a buffer of it arrives, then
 cached by owner and pool), after which each new allocation costs only a
 pointer import (microseconds).
 
+An imported pool is destroyed when this process's link to its owner
+closes (the owner shut down or died, and no buffer here still uses it):
+until then the driver keeps the pool's memory mapped here, one chunk of
+device memory and one fd per imported pool, even after the owner is gone.
+
 Driver rule: importers free their imported pointers before the exporter
 frees the allocation. The lifetime service enforces that order: the owner
 frees only after every mapper has answered ``unmapped``.
@@ -40,7 +45,7 @@ class CudaPoolBackend(CudaBackend):
     def __init__(self) -> None:
         super().__init__()
         self._pools: dict[int, tuple[Any, int, bytes]] = {}  # device -> (pool, fd, pool id)
-        self._imported: dict[tuple[bytes, bytes], Any] = {}  # (owner, pool id) -> imported pool
+        self._imported: dict[tuple[bytes, bytes], tuple[Any, int]] = {}  # (owner, pool id) -> (pool, ordinal)
         self._pool_lock = threading.Lock()
 
     def check_device(self, device: int) -> None:
@@ -81,20 +86,29 @@ class CudaPoolBackend(CudaBackend):
         home, ordinals = placement(device_uuid)
         key = (scope, pool_id)
         with self._pool_lock:
-            pool = self._imported.get(key)
-            if pool is None:
+            entry = self._imported.get(key)
+            if entry is None:
                 fd = fetch_fd()
                 try:
-                    pool = _cuda.pool_import(fd, ordinals, home)
+                    entry = (_cuda.pool_import(fd, ordinals, home), ordinals[0])
                 finally:
                     os.close(fd)
-                self._imported[key] = pool
+                self._imported[key] = entry
+            pool = entry[0]
         ptr = _cuda.pool_import_pointer(pool, export, ordinals[0])
         return _base.Mapping(self.name, ptr, nbytes, ordinals[0], device_uuid)
 
     def close(self, mapping: _base.Mapping) -> None:
         assert mapping.device is not None
         _cuda.pool_free(mapping.ptr, mapping.device)  # importers free first (driver rule)
+
+    def forget(self, scope: bytes) -> None:
+        """Destroy the pools imported from owner ``scope`` (its mappings are all closed)."""
+        with self._pool_lock:
+            gone = [key for key in self._imported if key[0] == scope]
+            pools = [self._imported.pop(key) for key in gone]
+        for pool, ordinal in pools:
+            _cuda.pool_destroy(pool, ordinal)
 
     def capabilities(self) -> dict[str, Any]:
         caps = super().capabilities()

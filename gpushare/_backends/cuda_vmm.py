@@ -12,6 +12,7 @@ called as each lease is taken): by the time the first consumer has
 received the descriptor, claimed its lease and asked for the fd, the fd
 is ready or nearly so. ``export_fd`` (the owner's answer to that request)
 waits for an export in progress, or exports itself if none started.
+The thread ends after a few idle seconds and the next lease starts another.
 
 The fd travels with SCM_RIGHTS over the connection between the consumer
 and the owner's lifetime service (never ``pidfd_getfd``, which ordinary
@@ -45,6 +46,8 @@ log = logging.getLogger("gpushare")
 # native: [generic allocation handle (None once freed), exported fd or None, mapped size,
 # export queued on the background thread]
 _HANDLE, _FD, _SIZE, _QUEUED = range(4)
+#: Seconds the export thread waits for work before it ends.
+_EXPORTER_IDLE_S = 2.0
 
 
 class CudaVmmBackend(CudaBackend):
@@ -97,8 +100,17 @@ class CudaVmmBackend(CudaBackend):
             self._ahead.put(allocation)
 
     def _exporter(self, work: queue.SimpleQueue[_base.Allocation]) -> None:
+        """Export what is queued; after a few idle seconds, end (the next lease starts
+        another), so a process that stopped sharing keeps no thread of ours."""
         while True:
-            allocation = work.get()
+            try:
+                allocation = work.get(timeout=_EXPORTER_IDLE_S)
+            except queue.Empty:
+                with self._ahead_lock:  # _export_ahead queues under this lock
+                    if work.empty():
+                        self._ahead = None
+                        return
+                continue
             try:
                 self.export_fd(allocation)
             except Exception as exc:  # freed meanwhile, or a driver error: the request will say

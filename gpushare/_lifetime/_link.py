@@ -295,6 +295,10 @@ class Link:
                 _backends.get(mapping.backend).close(mapping)
             except Exception:
                 pass
+        try:  # what the backends keep per owner (an imported memory pool)
+            _backends.forget(self.token)
+        except Exception:
+            log.exception("gpushare: dropping a closed link's backend state failed")
 
 
 def attach(desc: Descriptor) -> Memory:

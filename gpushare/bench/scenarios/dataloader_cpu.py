@@ -310,7 +310,7 @@ def measure(bench: Bench, system: str, dtype: str, workers: int, counts: Counts)
     bench._pool(bench.scenarios[FIRST_KEY], system, row, [run.first])
     main = bench.scenarios[KEY]
     if run.host_bytes is not None or run.device_bytes is not None:
-        main.details.setdefault("memory", {}).setdefault(row, {})[system] = {
+        main.details.setdefault("loader_memory", {}).setdefault(row, {})[system] = {
             "host_pinned_mib": None if run.host_bytes is None else round(run.host_bytes / MiB, 1),
             "host_pinned_how": run.host_how,
             "device_mib": None if run.device_bytes is None else round(run.device_bytes / MiB, 1),
@@ -322,7 +322,7 @@ def measure(bench: Bench, system: str, dtype: str, workers: int, counts: Counts)
 def refresh(bench: Bench, pending: tuple[str, str, list[int]]) -> None:
     """Rebuild the batches/s and memory tables and the host-memory targets (see dataloader_gpu.refresh)."""
     main = bench.scenarios[KEY]
-    memory: dict[str, dict[str, dict[str, Any]]] = main.details.get("memory", {})
+    memory: dict[str, dict[str, dict[str, Any]]] = main.details.get("loader_memory", {})
     tables = [rate_table(bench, main, SYSTEMS, pending)]
     checks: list[Check] = []
     rows = []
