@@ -23,6 +23,7 @@ from gpushare.bench import cli
 from gpushare.bench.scenarios import MODULES, scenario_modules
 
 ROOT = Path(__file__).resolve().parent.parent
+CELL = ("median_us", "p90_us", "mean_us", "min_us", "n")
 
 
 def test_every_registered_scenario_module_has_keys_and_plan() -> None:
@@ -79,6 +80,44 @@ def test_cli_host_run_writes_the_reports(tmp_path: Path) -> None:
     host = report["scenarios"]["host"]
     assert "gpushare (in place)" in json.dumps(host)
     assert ": ERROR" not in done.stderr, done.stderr
+
+    # --render writes the same Markdown from the JSON alone, measuring nothing.
+    again = tmp_path / "again"
+    assert cli.main(["--render", str(tmp_path / "benchmarks.json"), "--out", str(again)]) == 0
+    rendered = (again / "benchmarks.md").read_text(encoding="utf-8")
+    assert rendered.split("## Plot")[0] == markdown.split("## Plot")[0]
+    assert cli.main(["--render", str(tmp_path / "missing.json"), "--out", str(again)]) == 2
+
+
+def test_a_table_that_fails_to_render_costs_only_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpushare.bench import report_json, report_md
+
+    report = {
+        "meta": {"date": "today", "iters": 1, "warmup": 0, "heavy_iters": 1, "quick": True},
+        "scenarios": {
+            key: {
+                "title": f"Table {key}",
+                "row_label": "consumers",
+                "rows": ["1"],
+                "kind": "latency",
+                "floor": None,
+                "systems": {"s": {"skipped": None, "errors": {}, "cells": {"1": dict.fromkeys(CELL, 1.0)}}},
+            }
+            for key in ("good", "bad")
+        },
+    }
+    scenarios = report_json.scenarios_from_json(report)
+    real = report_md._render_scenario
+
+    def fails_on_bad(all_scenarios: dict, scenario: Any) -> list[str]:
+        if scenario.key == "bad":
+            raise KeyError("used_mib")
+        return real(all_scenarios, scenario)
+
+    monkeypatch.setattr(report_md, "_render_scenario", fails_on_bad)
+    markdown = report_md.render_markdown(scenarios, report["meta"], "")
+    assert "## Table good" in markdown and "| 1 | 1 |" in markdown
+    assert "`bad`: this table failed to render (KeyError: 'used_mib')" in markdown
 
 
 def test_per_queue_fan_out_and_ring_round_trip_run_on_the_host(tmp_path: Path) -> None:

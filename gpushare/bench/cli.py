@@ -8,7 +8,7 @@ import os
 import time
 from dataclasses import asdict
 
-from .report_json import render_json
+from .report_json import render_json, scenarios_from_json
 from .report_md import render_markdown
 from .report_plot import render_plot
 from .runner import Bench
@@ -92,6 +92,12 @@ def _parse(argv: list[str] | None) -> Config:
     parser.add_argument("--out", default="docs", help="directory for the reports (default: docs)")
     parser.add_argument("--quick", action="store_true", help="fewer iterations, for smoke and CI runs")
     parser.add_argument(
+        "--render",
+        metavar="JSON",
+        default=None,
+        help="measure nothing: write benchmarks.md (and .png) into --out again from this benchmarks.json",
+    )
+    parser.add_argument(
         "--backend",
         choices=("host", "cuda"),
         default=None,
@@ -170,11 +176,14 @@ def _parse(argv: list[str] | None) -> Config:
         kernel_warmup=KERNEL_WARMUP_QUICK if args.quick else KERNEL_WARMUP,
         rounds=args.rounds,
         max_seconds=args.max_seconds,
+        render=args.render,
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     cfg = _parse(argv)
+    if cfg.render is not None:
+        return render_again(cfg.render, cfg.out)
     bench = Bench(cfg)
     bench.probe()
     bench.plan()
@@ -197,6 +206,30 @@ def main(argv: list[str] | None = None) -> int:
     bench.run(after_round=write)  # the first round always runs, so the reports are written
     _progress(f"gpushare.bench: done in {bench.meta['elapsed_s']} s; wrote {cfg.out}/benchmarks.md, .json")
     _progress(plot_note)
+    return 0
+
+
+def render_again(path: str, out: str) -> int:
+    """Write benchmarks.md and .png into ``out`` from the measurements in the JSON report ``path``."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            report = json.load(f)
+        scenarios, meta = scenarios_from_json(report), report["meta"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        _progress(f"gpushare.bench: cannot render {path}: {type(exc).__name__}: {exc}")
+        return 2
+    os.makedirs(out, exist_ok=True)
+    png = os.path.join(out, "benchmarks.png")
+    drawn = os.path.exists(png)
+    try:
+        plot_note = render_plot(scenarios, meta, png)
+    except Exception as exc:
+        plot_note = f"No plot: drawing it failed ({type(exc).__name__}: {exc})."
+    if plot_note.startswith("No plot: matplotlib") and drawn:  # the run's own plot, kept
+        plot_note = "![median latency against the number of consumers](benchmarks.png)"
+    with open(os.path.join(out, "benchmarks.md"), "w", encoding="utf-8") as f:
+        f.write(render_markdown(scenarios, meta, plot_note))
+    _progress(f"gpushare.bench: rendered {path} into {out}/benchmarks.md")
     return 0
 
 

@@ -94,7 +94,16 @@ def render_markdown(scenarios: dict[str, Scenario], meta: dict[str, Any], plot_n
         "",
     ]
     for scenario in scenarios.values():
-        lines += _render_scenario(scenarios, scenario)
+        try:
+            lines += _render_scenario(scenarios, scenario)
+        except Exception as exc:  # one table's bug must not cost the others
+            lines += [
+                f"## {scenario.title}",
+                "",
+                f"`{scenario.key}`: this table failed to render ({type(exc).__name__}: {exc}); its figures are in "
+                "benchmarks.json, and `python -m gpushare.bench --render benchmarks.json` renders it again.",
+                "",
+            ]
     lines += ["## Plot", "", plot_note, ""]
     return "\n".join(lines)
 
