@@ -626,6 +626,21 @@ def test_weight_sync_cells_run_on_the_host_with_a_small_layout() -> None:
         assert manager.stats()["leases"] == 0
 
 
+def test_weight_sync_cells_that_leak_by_design_run_in_a_trainer_of_their_own() -> None:
+    """torch's IPC cells run in a spawned trainer process (what torch keeps goes with it): its samples come
+    back, and its failure comes back as a BenchError with the trainer's traceback."""
+    pytest.importorskip("torch")
+    from gpushare.bench.scenarios import weight_sync as ws
+    from gpushare.bench.settings import BenchError
+
+    assert set(ws.OWN_TRAINER) == {ws.TORCH_TENSOR, ws.TORCH_FLAT}
+    shapes = ws.llama_shapes(layers=1, hidden=32, intermediate=48, heads=4, kv_heads=2, vocab=64)
+    samples, memory = ws.in_own_trainer(shapes, ws.LOCAL, 1, "cpu", 2, 1)
+    assert len(samples) == 2 and min(samples) > 0 and memory is None
+    with pytest.raises(BenchError, match=r"(?s)the trainer process failed.*needs CUDA"):
+        ws.in_own_trainer(shapes, ws.TORCH_TENSOR, 1, "cpu", 1, 1)
+
+
 def test_weight_sync_is_skipped_cleanly_without_a_gpu(tmp_path: Path) -> None:
     done = _bench(tmp_path, "--iters", "2", "--consumers", "1", "--only", "weight_sync,weight_sync_8b")
     assert done.returncode == 0 and ": ERROR" not in done.stderr, done.stderr

@@ -83,6 +83,10 @@ GS_INPLACE = "gpushare in-place publish"
 SYSTEMS = (LOCAL, TORCH_TENSOR, TORCH_FLAT, TORCH_KEPT, GS_COPY, GS_ZERO, GS_INPLACE)
 TORCH_SYSTEMS = (TORCH_TENSOR, TORCH_FLAT, TORCH_KEPT)
 GS_SYSTEMS = (GS_COPY, GS_ZERO, GS_INPLACE)
+# torch keeps every storage it sent through CUDA IPC until its receivers let go, and a receiver that exits
+# first leaves it kept for good: on an H100 the 8B per-tensor cell left 15 GiB held by the bench's process,
+# and every later cell ran out of memory. These cells run in a trainer process of their own.
+OWN_TRAINER = (TORCH_TENSOR, TORCH_FLAT)
 
 VERSIONS = 2  # the tensor set's versions
 ITERS, ITERS_QUICK = 10, 5  # timed syncs per cell
@@ -247,20 +251,61 @@ def plan(bench: Bench) -> None:
 def measure(bench: Bench, key: str, system: str, engines: int) -> list[int]:
     """One cell on the bench's GPU: its samples (ns); its memory figures go to the scenario's details."""
     quick = bench.cfg.quick
+    args = (system, engines, bench.device or 0, ITERS_QUICK if quick else ITERS, WARMUP_QUICK if quick else WARMUP)
     shapes = llama_shapes(**MODELS[key][1])
-    samples, memory = run_cell(
-        bench.manager(),
-        shapes,
-        system,
-        engines,
-        bench.device or 0,
-        ITERS_QUICK if quick else ITERS,
-        WARMUP_QUICK if quick else WARMUP,
-    )
+    if system in OWN_TRAINER:
+        samples, memory = in_own_trainer(shapes, *args)
+    else:
+        samples, memory = run_cell(bench.manager(), shapes, *args)
     if memory is not None:
         details = bench.scenarios[key].details.setdefault("memory", {})
         details.setdefault(str(engines), {})[system] = memory
     return samples
+
+
+def in_own_trainer(
+    shapes: dict[str, tuple[int, ...]], system: str, engines: int, device: int | str, iters: int, warmup: int
+) -> tuple[list[int], dict[str, int] | None]:
+    """``run_cell`` in a spawned trainer process with a Manager of its own: whatever torch keeps goes with it."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_trainer_main, args=(shapes, system, engines, device, iters, warmup, child))
+    proc.start()
+    child.close()
+    try:
+        if not parent.poll(TIMEOUT + iters * TIMEOUT / 10):
+            raise BenchError(f"{system}: the trainer process sent nothing in time")
+        status, payload = parent.recv()
+    except EOFError:
+        proc.join(5)
+        raise BenchError(f"{system}: the trainer process died (exit code {proc.exitcode})") from None
+    finally:
+        parent.close()
+        proc.join(60)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    if status != "ok":
+        raise BenchError(f"{system}: the trainer process failed:\n{payload}")
+    samples, memory = payload
+    return samples, memory
+
+
+def _trainer_main(
+    shapes: dict[str, tuple[int, ...]], system: str, engines: int, device: int | str, iters: int, warmup: int, conn: Any
+) -> None:
+    try:
+        from ... import Manager
+
+        with Manager() as manager:
+            result = run_cell(manager, shapes, system, engines, device, iters, warmup)
+        conn.send(("ok", result))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        conn.close()
 
 
 # -- one cell ------------------------------------------------------------------------------------
@@ -454,6 +499,7 @@ def run_cell(
         bucket = None
         gc.collect()
         if cuda:
+            torch.cuda.ipc_collect()  # torch keeps every storage it sent until its receivers are gone
             torch.cuda.empty_cache()
         manager.trim()  # the versions' memory back to the device for the next cell
 
