@@ -88,6 +88,31 @@ def test_cli_host_run_writes_the_reports(tmp_path: Path) -> None:
     assert rendered.split("## Plot")[0] == markdown.split("## Plot")[0]
     assert cli.main(["--render", str(tmp_path / "missing.json"), "--out", str(again)]) == 2
 
+    # Several runs' JSONs join into one report, with a table of which run measured which scenario.
+    later = json.loads(json.dumps(report))
+    later["meta"]["date"] = "2099-01-01 00:00 UTC"
+    later["scenarios"] = {"extra": dict(report["scenarios"]["host"], title="An extra table", floor=None)}
+    (tmp_path / "later.json").write_text(json.dumps(later), encoding="utf-8")
+    joined = tmp_path / "joined"
+    args = ["--render", str(tmp_path / "benchmarks.json"), "--render", str(tmp_path / "later.json")]
+    assert cli.main([*args, "--out", str(joined)]) == 0
+    merged = (joined / "benchmarks.md").read_text(encoding="utf-8")
+    assert "## An extra table" in merged and "## Handoff floors" in merged and "This report joins 2 runs" in merged
+    assert "| 2099-01-01 00:00 UTC, --quick |" in merged
+    runs = json.loads((joined / "benchmarks.json").read_text(encoding="utf-8"))["meta"]["runs"]
+    first, second = report["meta"]["date"], "2099-01-01 00:00 UTC"
+    assert [(r["date"], r["scenarios"]) for r in runs] == [(first, ["floors", "host"]), (second, ["extra"])]
+    # Joining the joined report again keeps its table of runs.
+    assert cli.main(["--render", str(joined / "benchmarks.json"), "--render", str(tmp_path / "later.json"),
+                     "--out", str(tmp_path / "twice")]) == 0  # fmt: skip
+    again_runs = json.loads((tmp_path / "twice" / "benchmarks.json").read_text(encoding="utf-8"))["meta"]["runs"]
+    assert again_runs == runs
+    # A later run's scenario measured against its own run's floors, which an earlier scenario (`host`)
+    # still uses: refused, rather than divided by another run's floor.
+    later["scenarios"] = {"floors": report["scenarios"]["floors"], "b": report["scenarios"]["host"]}
+    (tmp_path / "later.json").write_text(json.dumps(later), encoding="utf-8")
+    assert cli.main([*args, "--out", str(tmp_path / "refused")]) == 2
+
 
 def test_a_table_that_fails_to_render_costs_only_itself(monkeypatch: pytest.MonkeyPatch) -> None:
     from gpushare.bench import report_json, report_md
@@ -116,7 +141,7 @@ def test_a_table_that_fails_to_render_costs_only_itself(monkeypatch: pytest.Monk
 
     monkeypatch.setattr(report_md, "_render_scenario", fails_on_bad)
     markdown = report_md.render_markdown(scenarios, report["meta"], "")
-    assert "## Table good" in markdown and "| 1 | 1 |" in markdown
+    assert "## Table good" in markdown and "| 1 | 1.0 (1.0) |" in markdown
     assert "`bad`: this table failed to render (KeyError: 'used_mib')" in markdown
 
 
@@ -572,6 +597,9 @@ def test_weight_sync_layouts_are_the_models_and_cells_that_cannot_fit_are_skippe
     assert reason is not None and "x 5 copies" in reason and "79.0 GiB free on cuda:0" in reason
     assert ws.fit_reason(ws.GS_ZERO, 8, nbytes, free, 0) is None  # zero-copy engines make no copies
     assert ws.fit_reason(ws.LOCAL, 8, ws.layout_bytes(small), free, 0) is None
+    # torch's flattened bucket keeps last sync's bucket until the engines let go: three trainer copies
+    flat = ws.fit_reason(ws.TORCH_FLAT, 2, nbytes, free, 0)
+    assert flat is not None and "x 5 copies" in flat
 
 
 def test_weight_sync_goals_are_judged_against_the_floor_and_the_best_torch_pattern() -> None:

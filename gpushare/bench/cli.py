@@ -7,10 +7,12 @@ import json
 import os
 import time
 from dataclasses import asdict
+from typing import Any
 
 from .report_json import render_json, scenarios_from_json
 from .report_md import render_markdown
 from .report_plot import render_plot
+from .results import Scenario
 from .runner import Bench
 from .scenarios import scenario_modules
 from .settings import (
@@ -94,8 +96,11 @@ def _parse(argv: list[str] | None) -> Config:
     parser.add_argument(
         "--render",
         metavar="JSON",
+        action="append",
         default=None,
-        help="measure nothing: write benchmarks.md (and .png) into --out again from this benchmarks.json",
+        help="measure nothing: write benchmarks.md (and .png) into --out again from this benchmarks.json; "
+        "given more than once, one report of every run's scenarios (a later run's scenario replaces an "
+        "earlier run's of the same name), with a table of the runs, and its benchmarks.json",
     )
     parser.add_argument(
         "--backend",
@@ -209,15 +214,45 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def render_again(path: str, out: str) -> int:
-    """Write benchmarks.md and .png into ``out`` from the measurements in the JSON report ``path``."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            report = json.load(f)
-        scenarios, meta = scenarios_from_json(report), report["meta"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        _progress(f"gpushare.bench: cannot render {path}: {type(exc).__name__}: {exc}")
-        return 2
+def render_again(paths: list[str], out: str) -> int:
+    """Write benchmarks.md and .png into ``out`` from the measurements in the JSON reports ``paths``.
+
+    With one path, the report of that run again. With several, one report of all their
+    scenarios, in the order the runs are given (a later run's scenario replaces an earlier
+    one of the same key); the first run's meta heads it and ``meta["runs"]`` lists each
+    run's date, device and scenarios, so every table can be traced to the run that measured
+    it. The merged benchmarks.json is written too."""
+    scenarios: dict[str, Scenario] = {}
+    origin: dict[str, str] = {}  # scenario key -> the JSON it came from
+    runs: list[dict[str, Any]] = []
+    meta: dict[str, Any] = {}
+    for path in paths:
+        try:
+            with open(path, encoding="utf-8") as f:
+                report = json.load(f)
+            these, run_meta = scenarios_from_json(report), report["meta"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            _progress(f"gpushare.bench: cannot render {path}: {type(exc).__name__}: {exc}")
+            return 2
+        meta = meta or dict(run_meta)
+        taken = _replaceable(scenarios, these)
+        for earlier in run_meta.get("runs") or [run_meta]:  # a merged report merges again
+            keys = [k for k in earlier.get("scenarios") or list(these) if k in taken]
+            runs.append(_run_entry(earlier, keys, path))
+        for key in taken:
+            scenarios[key] = these[key]
+            origin[key] = path
+    for s in scenarios.values():
+        floor_key = s.floor[0] if s.floor else s.key
+        if floor_key != s.key and origin.get(floor_key) != origin[s.key]:
+            _progress(
+                f"gpushare.bench: cannot join: `{s.key}` of {origin[s.key]} is measured against `{floor_key}` of "
+                f"{origin.get(floor_key)}, another run; render {origin[s.key]} on its own, or join it after the run "
+                "with the floors it was measured against"
+            )
+            return 2
+    if len(paths) > 1:
+        meta["runs"] = _latest_owner(runs)
     os.makedirs(out, exist_ok=True)
     png = os.path.join(out, "benchmarks.png")
     drawn = os.path.exists(png)
@@ -227,10 +262,46 @@ def render_again(path: str, out: str) -> int:
         plot_note = f"No plot: drawing it failed ({type(exc).__name__}: {exc})."
     if plot_note.startswith("No plot: matplotlib") and drawn:  # the run's own plot, kept
         plot_note = "![median latency against the number of consumers](benchmarks.png)"
+    if len(paths) > 1:
+        with open(os.path.join(out, "benchmarks.json"), "w", encoding="utf-8") as f:
+            json.dump(render_json(scenarios, meta), f, indent=1)
+            f.write("\n")
     with open(os.path.join(out, "benchmarks.md"), "w", encoding="utf-8") as f:
         f.write(render_markdown(scenarios, meta, plot_note))
-    _progress(f"gpushare.bench: rendered {path} into {out}/benchmarks.md")
+    _progress(f"gpushare.bench: rendered {', '.join(paths)} into {out}/benchmarks.md")
     return 0
+
+
+def _replaceable(kept: dict[str, Scenario], new: dict[str, Scenario]) -> list[str]:
+    """The keys of ``new`` that go into the joined report: all but a floor scenario (such as
+    ``floors``) that a kept scenario of an earlier run is measured against and ``new`` does not replace."""
+    staying = [s for key, s in kept.items() if key not in new]
+    used = {s.floor[0] for s in staying if s.floor and s.floor[0] != s.key}
+    return [key for key in new if key not in used]
+
+
+def _run_entry(meta: dict[str, Any], keys: list[str], path: str) -> dict[str, Any]:
+    """One row of a merged report's table of runs."""
+    return {
+        "date": meta.get("date"),
+        "device": meta.get("device"),
+        "torch": meta.get("torch"),
+        "quick": meta.get("quick"),
+        "source": meta.get("source") or path,
+        "scenarios": list(keys),
+    }
+
+
+def _latest_owner(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each scenario listed only under the last run that measured it; runs left with none are dropped."""
+    seen: set[str] = set()
+    out: list[dict[str, Any]] = []
+    for run in reversed(runs):
+        keys = [k for k in run["scenarios"] if k not in seen]
+        seen.update(keys)
+        if keys:
+            out.append({**run, "scenarios": keys})
+    return out[::-1]
 
 
 def write_reports(bench: Bench, out: str) -> str:

@@ -64,6 +64,20 @@ def render_markdown(scenarios: dict[str, Scenario], meta: dict[str, Any], plot_n
             f"| rounds | {run} of {rounds} run: every cell once per round, in the same order; a cell's median "
             "and p90 are over its samples of all rounds |"
         )
+    runs = meta.get("runs") or []
+    if len(runs) > 1:
+        lines += [
+            "",
+            f"This report joins {len(runs)} runs (`python -m gpushare.bench --render A.json --render B.json ...`); "
+            "the table above is the first run's. Each scenario comes from the run that lists it:",
+            "",
+            "| run | device | torch | scenarios |",
+            "|---|---|---|---|",
+        ]
+        for run in runs:
+            quick = ", --quick" if run.get("quick") else ""
+            names = ", ".join(f"`{key}`" for key in run["scenarios"])
+            lines.append(f"| {run['date']}{quick} | {run['device']} | {run['torch']} | {names} |")
     lines += [
         "",
         "## How measured",

@@ -121,7 +121,7 @@ class Config:
     kernel_warmup: int = KERNEL_WARMUP
     rounds: int = 1  # every task runs once per round; a cell pools its rounds' samples
     max_seconds: float | None = None  # no round is started that would end past this
-    render: str | None = None  # a benchmarks.json to render again into ``out``; nothing is measured
+    render: list[str] | None = None  # benchmarks.json files to render again into ``out``; nothing is measured
 
 
 def _cuda_core() -> Any:

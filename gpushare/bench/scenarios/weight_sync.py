@@ -157,7 +157,11 @@ def copies(system: str, engines: int) -> int:
         return 2 * engines  # each engine: its bucket and its weights (the trainer has nothing)
     if system == TORCH_TENSOR:
         return 1 + engines
-    if system in (TORCH_FLAT, TORCH_KEPT):
+    if system == TORCH_FLAT:
+        # the trainer's weights, this sync's bucket and the last one, which torch keeps until the engines
+        # let go of it (the 8B layout at 2 engines ran out of memory on an H100 with two counted)
+        return 3 + engines
+    if system == TORCH_KEPT:
         return 2 + engines  # the trainer's weights and its bucket
     if system == GS_COPY:
         return 1 + VERSIONS + engines
