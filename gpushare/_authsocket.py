@@ -7,6 +7,13 @@ thread. Every connection starts with multiprocessing's HMAC challenge in
 both directions, with the process authkey, before anything is unpickled:
 a process outside the Manager's process tree cannot connect.
 
+Each listener's directory is ``gpushare-<name>-<pid>-<random>`` in the
+temporary directory. A process that is SIGKILLed cannot remove its own, so
+the first listener of every process sweeps the directories of processes
+that are gone and whose sockets no longer answer (:func:`sweep_dead`); the
+Manager's server does the same for its parent as soon as it dies
+(:func:`remove_stale_sockets`).
+
 multiprocessing's ``Connection`` reads with blocking ``os.read`` and has no
 timeout of its own, so the handshake runs with SO_RCVTIMEO/SO_SNDTIMEO set
 (a stuck or silent peer raises instead of hanging a thread), and the
@@ -29,8 +36,10 @@ __all__ = [
     "accept",
     "connect",
     "process_alive",
+    "remove_stale_sockets",
     "shutdown_socket",
     "socket_timeouts",
+    "sweep_dead",
 ]
 
 HANDSHAKE_TIMEOUT = 10.0
@@ -121,6 +130,96 @@ def connect(address: str, authkey: bytes, timeout: float = HANDSHAKE_TIMEOUT) ->
     return _authenticate(sock, authkey, timeout, server=False)
 
 
+def remove_stale_sockets(pid: int, settle: float = 0.0) -> list[str]:
+    """Remove socket directories left by process ``pid`` whose socket no longer answers.
+
+    Only this user's directories made by gpushare's listeners (``gpushare-*-<pid>-*``
+    in the temporary directory, holding nothing but ``*.sock``) are touched. A
+    socket that still answers is looked at again for up to ``settle`` seconds
+    (a dying process closes its files last). Returns the directories removed.
+    """
+    import glob
+    import stat
+    import tempfile
+    import time
+
+    removed = []
+    deadline = time.monotonic() + settle
+    pending = glob.glob(os.path.join(tempfile.gettempdir(), f"gpushare-*-{int(pid)}-*"))
+    while pending:
+        answering = []
+        for path in pending:
+            try:
+                info = os.lstat(path)
+                if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+                    continue
+                entries = os.listdir(path)
+                if any(not name.endswith(".sock") for name in entries):
+                    continue
+                if any(_answers(os.path.join(path, name)) for name in entries):
+                    answering.append(path)
+                    continue
+                for name in entries:
+                    os.unlink(os.path.join(path, name))
+                os.rmdir(path)
+                removed.append(path)
+            except OSError:
+                continue
+        if not answering or time.monotonic() >= deadline:
+            break
+        pending = answering
+        time.sleep(0.02)
+    return removed
+
+
+def _answers(address: str) -> bool:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(1.0)
+        sock.connect(address)
+        return True
+    except OSError:
+        return False
+    finally:
+        sock.close()
+
+
+_swept = [False]  # this process has swept once (see sweep_dead)
+_sweep_lock = threading.Lock()
+
+
+def sweep_dead(limit: int = 256) -> list[str]:
+    """Once per process: remove the socket directories of gpushare processes that are gone.
+
+    A directory is removed only when its pid (from its name) is not a running
+    process here *and* none of its sockets answers, and it holds nothing but
+    sockets and belongs to this user (:func:`remove_stale_sockets`): a process
+    of another PID namespace sharing this temporary directory still answers.
+    At most ``limit`` pids are looked at. Returns the directories removed.
+    """
+    with _sweep_lock:
+        if _swept[0]:
+            return []
+        _swept[0] = True
+    import tempfile
+
+    pids: set[int] = set()
+    try:
+        with os.scandir(tempfile.gettempdir()) as entries:
+            for entry in entries:
+                parts = entry.name.split("-")
+                if len(parts) >= 4 and parts[0] == "gpushare" and parts[2].isdigit():
+                    pids.add(int(parts[2]))
+    except OSError:
+        return []
+    pids.discard(os.getpid())
+    removed: list[str] = []
+    for pid in sorted(pids)[:limit]:
+        if not process_alive(pid, sentinel=False):
+            removed += remove_stale_sockets(pid)
+    return removed
+
+
 class UnixListener:
     """A listening AF_UNIX socket in a private directory; each accepted socket goes
     to ``handler(sock)`` on a daemon thread of its own."""
@@ -128,7 +227,8 @@ class UnixListener:
     def __init__(self, name: str, handler: Callable[[socket.socket], None], backlog: int = 128) -> None:
         import tempfile  # here: importing it costs a few ms that a process with no service never pays
 
-        # The pid in the name lets the Manager's server clean up after a killed owner.
+        sweep_dead()  # what killed processes left behind, once per process
+        # The pid in the name lets the Manager's server, or any later process, clean up after a killed owner.
         self._dir = tempfile.mkdtemp(prefix=f"gpushare-{name}-{os.getpid()}-")
         self.address = os.path.join(self._dir, f"{name}.sock")
         self._name = name

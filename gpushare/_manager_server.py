@@ -49,8 +49,6 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import socket
-import stat
 import threading
 import time
 from multiprocessing import connection, current_process, parent_process
@@ -60,7 +58,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
-__all__ = ["OWNER_MODES", "owner_info", "remove_stale_sockets", "server_init", "shutdown_owner"]
+__all__ = ["OWNER_MODES", "owner_info", "server_init", "shutdown_owner"]
 
 log = logging.getLogger("gpushare")
 
@@ -97,6 +95,8 @@ def _watch() -> None:
             time.sleep(POLL)
     if parent_pid is not None:
         # Its sockets close with its last thread, a little after the sentinel fires.
+        from ._authsocket import remove_stale_sockets
+
         remove_stale_sockets(parent_pid, settle=5.0)
         # Its host segments: nobody else may unlink them, and consumers keep their mappings.
         from ._backends import host
@@ -116,58 +116,6 @@ def _at_exit() -> None:
     # The server stops (shutdown, or its client gone): the owner's socket goes with it.
     if _owner is not None:
         _owner.shutdown(0.0)
-
-
-def remove_stale_sockets(pid: int, settle: float = 0.0) -> list[str]:
-    """Remove socket directories left by process ``pid`` whose socket no longer answers.
-
-    Only this user's directories made by gpushare's listeners (``gpushare-*-<pid>-*``
-    in the temporary directory, holding nothing but ``*.sock``) are touched. A
-    socket that still answers is looked at again for up to ``settle`` seconds
-    (a dying process closes its files last). Returns the directories removed.
-    """
-    import glob
-    import tempfile
-
-    removed = []
-    deadline = time.monotonic() + settle
-    pending = glob.glob(os.path.join(tempfile.gettempdir(), f"gpushare-*-{int(pid)}-*"))
-    while pending:
-        answering = []
-        for path in pending:
-            try:
-                info = os.lstat(path)
-                if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
-                    continue
-                entries = os.listdir(path)
-                if any(not name.endswith(".sock") for name in entries):
-                    continue
-                if any(_answers(os.path.join(path, name)) for name in entries):
-                    answering.append(path)
-                    continue
-                for name in entries:
-                    os.unlink(os.path.join(path, name))
-                os.rmdir(path)
-                removed.append(path)
-            except OSError:
-                continue
-        if not answering or time.monotonic() >= deadline:
-            break
-        pending = answering
-        time.sleep(0.02)
-    return removed
-
-
-def _answers(address: str) -> bool:
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.settimeout(1.0)
-        sock.connect(address)
-        return True
-    except OSError:
-        return False
-    finally:
-        sock.close()
 
 
 def owner_info() -> tuple[str, bytes]:

@@ -382,8 +382,48 @@ def test_server_owned_buffers_outlive_a_killed_producer(reap, backend) -> None:
         kill_quietly(server_pid)
 
 
+def w_listen(out, tempdir) -> None:
+    """Listen on a gpushare socket in ``tempdir``, say where, and wait to be killed."""
+    import tempfile
+
+    from gpushare import _authsocket
+
+    tempfile.tempdir = tempdir
+    listener = _authsocket.UnixListener("owner", lambda sock: sock.close())
+    out.put(("listening", os.path.dirname(listener.address)))
+    time.sleep(120)
+
+
+def w_sweep(out, tempdir) -> None:
+    import tempfile
+
+    from gpushare import _authsocket
+
+    tempfile.tempdir = tempdir
+    first = _authsocket.sweep_dead()
+    out.put(("swept", first, _authsocket.sweep_dead()))
+
+
+def test_the_next_process_sweeps_what_a_killed_process_left(reap, tmp_path) -> None:
+    """A SIGKILLed process cannot remove its socket directory; the first listener of any later
+    gpushare process removes it (its pid gone, its socket silent), and keeps a live process's."""
+    out = mp.Queue()
+    killed = start_guarded(reap, w_listen, out, str(tmp_path))
+    dead_dir = recv(out, killed)[1]
+    alive = start_guarded(reap, w_listen, out, str(tmp_path))
+    live_dir = recv(out, alive)[1]
+    os.kill(killed.pid, signal.SIGKILL)
+    killed.join(T)
+    assert os.path.isdir(dead_dir) and os.path.isdir(live_dir)  # nobody else cleans up after it
+    sweeper = start_guarded(reap, w_sweep, out, str(tmp_path))
+    _, first, second = recv(out, sweeper)
+    sweeper.join(T)
+    assert first == [dead_dir] and second == []  # once per process
+    assert not os.path.exists(dead_dir) and os.path.isdir(live_dir)
+
+
 def test_a_dead_owners_socket_directory_is_removed_only_when_stale(tmp_path, monkeypatch) -> None:
-    from gpushare import _authsocket, _manager_server
+    from gpushare import _authsocket
 
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     stale = tmp_path / "gpushare-owner-424242-abc"
@@ -394,12 +434,12 @@ def test_a_dead_owners_socket_directory_is_removed_only_when_stale(tmp_path, mon
     (foreign / "notes.txt").touch()  # not only sockets: not ours to remove
     other = tmp_path / "gpushare-owner-434343-abc"
     other.mkdir()
-    assert _manager_server.remove_stale_sockets(424242) == [str(stale)]
+    assert _authsocket.remove_stale_sockets(424242) == [str(stale)]
     assert not stale.exists() and foreign.exists() and other.exists()
     listener = _authsocket.UnixListener("owner", lambda sock: sock.close())
     try:
         assert os.path.dirname(listener.address).startswith(str(tmp_path / f"gpushare-owner-{os.getpid()}-"))
-        assert _manager_server.remove_stale_sockets(os.getpid()) == []  # it answers: alive, kept
+        assert _authsocket.remove_stale_sockets(os.getpid()) == []  # it answers: alive, kept
         assert os.path.exists(listener.address)
     finally:
         listener.close()
