@@ -208,3 +208,13 @@ def test_no_helper_is_defined_in_two_test_files() -> None:
         and not (len(files) == 2 and "conftest.py" in files and all(fixture[f, name] for f in files))
     }
     assert copies == {}, f"defined in more than one file (keep one, in conftest.py if shared): {copies}"
+
+
+def test_no_two_modules_share_a_name() -> None:
+    """A newcomer tells modules apart by their file names: each is used once in the package
+    (a package's ``__init__.py`` and ``__main__.py`` aside)."""
+    seen: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "gpushare").rglob("*.py")):
+        if path.name not in ("__init__.py", "__main__.py"):
+            seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    assert {name: paths for name, paths in seen.items() if len(paths) > 1} == {}

@@ -103,8 +103,16 @@ class Backend(abc.ABC):
         """Give the memory back. Only called once no other process maps it."""
 
     def export_fd(self, allocation: Allocation) -> int:
-        """A file descriptor a consumer needs too (sent by SCM_RIGHTS), for fd-based backends."""
-        raise NotImplementedError(f"backend {self.name!r} shares no file descriptors")
+        """A file descriptor a consumer needs too (sent by SCM_RIGHTS), for fd-based backends.
+
+        The other backends share none: a request for one comes from a descriptor that names
+        the wrong backend for its allocation."""
+        from .._errors import DescriptorError
+
+        raise DescriptorError(
+            f"backend {self.name!r} shares no file descriptors: the descriptor that asked for one names the "
+            "wrong backend for its allocation"
+        )
 
     def check_device(self, device: int) -> None:
         """Raise BackendUnavailableError when this backend cannot allocate on ``device``.

@@ -39,7 +39,7 @@ The modules, by concern:
   owns all of this layer's module-level state (loaded driver, contexts,
   caches, queries), which the other modules read from it at call time.
 * :mod:`._queries`: the GIL-keeping queries, imported when the driver loads.
-* :mod:`._memory`: device allocations, legacy IPC handles, VMM, IPC pools.
+* :mod:`._device_memory`: device allocations, legacy IPC handles, VMM, IPC pools.
 * :mod:`._copies`: synchronous and asynchronous copies, page-locked host memory.
 * :mod:`._streams`: streams, events (interprocess and plain), their queries.
 
@@ -63,24 +63,7 @@ from ._copies import (
     memset,
     memset32,
 )
-from ._driver import (
-    IPC_HANDLE_SIZE,
-    available,
-    bindings_version,
-    can_access_peer,
-    device_count,
-    device_name,
-    device_total_memory,
-    device_uuid,
-    driver_version,
-    format_uuid,
-    initialized,
-    make_current,
-    on_device,
-    ordinal_from_uuid,
-    supports,
-)
-from ._memory import (
+from ._device_memory import (
     address_range,
     ipc_close,
     ipc_get_handle,
@@ -101,6 +84,23 @@ from ._memory import (
     vmm_free,
     vmm_granularity,
     vmm_import,
+)
+from ._driver import (
+    IPC_HANDLE_SIZE,
+    available,
+    bindings_version,
+    can_access_peer,
+    device_count,
+    device_name,
+    device_total_memory,
+    device_uuid,
+    driver_version,
+    format_uuid,
+    initialized,
+    make_current,
+    on_device,
+    ordinal_from_uuid,
+    supports,
 )
 from ._streams import (
     event_create,

@@ -21,7 +21,7 @@ MODULES = (
     "first_share",
     "peer_read",
     "kernel_read",
-    "host",
+    "host_arrays",
     "dataloader",
     "dataloader_gpu",
     "dataloader_cpu",
