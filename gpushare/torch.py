@@ -199,6 +199,8 @@ class _WorkerInit:
         try:
             from torch.utils.data._utils import worker as torch_worker
 
+            # torch has no public way to set what get_worker_info() returns: its own workers set
+            # this module global, so ours do the same (a torch that changes it: the except below).
             torch_worker._worker_info = torch_worker.WorkerInfo(
                 id=worker, num_workers=self.num_workers, seed=seed, dataset=_loader.current_dataset()
             )
