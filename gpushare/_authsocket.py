@@ -139,13 +139,18 @@ def remove_stale_sockets(pid: int, settle: float = 0.0) -> list[str]:
     (a dying process closes its files last). Returns the directories removed.
     """
     import glob
-    import stat
     import tempfile
+
+    return _remove_stale(glob.glob(os.path.join(tempfile.gettempdir(), f"gpushare-*-{int(pid)}-*")), settle)
+
+
+def _remove_stale(pending: list[str], settle: float = 0.0) -> list[str]:
+    """:func:`remove_stale_sockets` for directories already found."""
+    import stat
     import time
 
     removed = []
     deadline = time.monotonic() + settle
-    pending = glob.glob(os.path.join(tempfile.gettempdir(), f"gpushare-*-{int(pid)}-*"))
     while pending:
         answering = []
         for path in pending:
@@ -205,20 +210,20 @@ def sweep_dead(limit: int = 256) -> list[str]:
         _swept[0] = True
     import tempfile
 
-    pids: set[int] = set()
+    by_pid: dict[int, list[str]] = {}  # one listing of the directory: its paths, by the pid in their names
     try:
         with os.scandir(tempfile.gettempdir()) as entries:
             for entry in entries:
                 parts = entry.name.split("-")
                 if len(parts) >= 4 and parts[0] == "gpushare" and parts[2].isdigit():
-                    pids.add(int(parts[2]))
+                    by_pid.setdefault(int(parts[2]), []).append(entry.path)
     except OSError:
         return []
-    pids.discard(os.getpid())
+    by_pid.pop(os.getpid(), None)
     removed: list[str] = []
-    for pid in sorted(pids)[:limit]:
+    for pid in sorted(by_pid)[:limit]:
         if not process_alive(pid, sentinel=False):
-            removed += remove_stale_sockets(pid)
+            removed += _remove_stale(by_pid[pid])
     return removed
 
 

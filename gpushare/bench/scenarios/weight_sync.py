@@ -287,10 +287,7 @@ def in_own_trainer(
         raise BenchError(f"{system}: the trainer process died (exit code {proc.exitcode})") from None
     finally:
         parent.close()
-        proc.join(60)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
+        _stop([proc], lambda: None)
     if status != "ok":
         raise BenchError(f"{system}: the trainer process failed:\n{payload}")
     samples, memory = payload
@@ -503,7 +500,7 @@ def run_cell(
         bucket = None
         gc.collect()
         if cuda:
-            torch.cuda.ipc_collect()  # torch keeps every storage it sent until its receivers are gone
+            torch.cuda.ipc_collect()  # what engines let go of; what a gone receiver held stays (OWN_TRAINER)
             torch.cuda.empty_cache()
         manager.trim()  # the versions' memory back to the device for the next cell
 
