@@ -14,18 +14,22 @@ without a copy lives. Exceptions from workers travel as a picklable payload
 that can be rebuilt (:func:`rebuild_exception`).
 
 Samples made on the CPU for a CUDA slot (decoded images, the common case)
-are not copied one by one, nor from pageable memory: the worker stacks them
-into page-locked *staging* memory at the offsets they will have in the slot
-(:meth:`SlotWriter.staged_empty`, which ``default_collate`` and the torch
-adapter use), and :meth:`SlotWriter.finish` queues one asynchronous
-host-to-device copy per contiguous run of staged arrays on the legacy
-default stream -- the stream the ring records the slot's ready event on at
-``publish()``, and the one its ``acquire()`` makes wait for the trainer's
-reads of the slot. Nothing waits for the copy on the host: the trainer
-orders its reads after the slot's event, as for any ring item. Each worker
-has :data:`Staging.BUFFERS` staging areas of a slot's size, used in turn, so
-the CPU work of the next batch overlaps the copy of this one; an area is
-written again only once its previous copy is done (an event per area).
+are not copied one by one, nor from pageable memory: the worker streams
+their bytes, in slot order, through page-locked *staging* of a fixed size
+(:meth:`SlotWriter.stacked`, which ``default_collate`` and the torch adapter
+use: each sample is copied once on the host, straight into staging).
+Staging is :data:`Staging.BUFFERS` areas of at most :data:`Staging.CHUNK`
+bytes, used in turn: when an area is full (or the next bytes go elsewhere in
+the slot) one asynchronous host-to-device copy takes it to its place in the
+slot, and the worker goes on filling the other area while it runs; an area
+is written again only once its previous copy is done (an event per area).
+All copies run on the legacy default stream -- the stream the ring records
+the slot's ready event on at ``publish()``, and the one its ``acquire()``
+makes wait for the trainer's reads of the slot -- so nothing waits for them
+on the host: the trainer orders its reads after the slot's event, as for
+any ring item. A worker's page-locked memory is so bounded by
+``BUFFERS * CHUNK`` whatever the batch size, and the CPU work of a batch
+overlaps the copies of its earlier chunks and of the batch before it.
 """
 
 from __future__ import annotations
@@ -70,63 +74,129 @@ def align(n: int) -> int:
 class Staging:
     """A worker's page-locked host memory for CPU samples bound for CUDA slots (see the module docstring).
 
-    ``BUFFERS`` areas, each as large as the largest batch asked for so far,
-    used in turn; an area is reused only after the copy that read it last has
-    finished (its event). Made on first use: a worker whose samples are made
-    on the GPU never pins any host memory.
+    :meth:`write` streams bytes to device addresses through ``BUFFERS``
+    areas of ``min(CHUNK, hint)`` bytes, used in turn; :meth:`flush` copies
+    what the current area holds. Made on first use: a worker whose samples
+    are made on the GPU never pins any host memory. The device calls are
+    methods of their own (``_alloc``, ``_free``, ``_copy``, ``_record``,
+    ``_wait``) so that the chunking can be checked with host memory.
     """
 
     BUFFERS = 2
+    CHUNK = 4 << 20  # copies of 4 MiB run at the link's pace; 8 MiB per worker whatever the batch
 
-    def __init__(self, device: int) -> None:
+    def __init__(self, device: int, chunk: int = CHUNK) -> None:
         self.device = device
+        self.chunk = chunk
         self._areas: list[list[Any]] = [[0, 0, None] for _ in range(self.BUFFERS)]  # [ptr, nbytes, event]
         self._turn = 0
+        self._fill = 0  # bytes written into the current area
+        self._dst = 0  # the device address the current area's first byte goes to
+        self._size = 0  # the areas' size, once made
+        self.copies = 0  # host-to-device copies queued so far
+
+    @classmethod
+    def bytes_for(cls, slot_bytes: int) -> int:
+        """The page-locked bytes a worker's staging holds with slots of ``slot_bytes`` (0: none yet)."""
+        return cls.BUFFERS * min(cls.CHUNK, slot_bytes) if slot_bytes > 0 else 0
 
     @property
     def nbytes(self) -> int:
         """Page-locked bytes held now."""
         return sum(area[1] for area in self._areas)
 
-    def area(self, nbytes: int) -> int:
-        """The address of the area for the next batch, at least ``nbytes``, free to write."""
-        from . import _cuda
+    def reserve(self, hint: int) -> None:
+        """Size the areas for slots of ``hint`` bytes (``min(chunk, hint)`` each); before a batch."""
+        want = min(self.chunk, max(1, hint))
+        if want > self._size:
+            self.flush()
+            for area in self._areas:
+                self._wait(area)
+                if area[0]:
+                    self._free(area[0])
+                area[0], area[1] = self._alloc(want), want
+            self._size = want
 
+    def write(self, dst: int, src: int, nbytes: int) -> None:
+        """Copy ``nbytes`` at host address ``src`` (kept alive by the caller for the call) to
+        device address ``dst``, through the areas: on the host now, to the device asynchronously."""
+        if not self._size:
+            self.reserve(self.chunk)  # no size given (reserve): full chunks
+        done = 0
+        while done < nbytes:
+            if self._fill and dst + done != self._dst + self._fill:
+                self.flush()  # the next bytes go elsewhere in the slot
+            area = self._areas[self._turn]
+            if not self._fill:
+                self._wait(area)  # its last copy read it: usually long done
+                self._dst = dst + done
+            take = min(area[1] - self._fill, nbytes - done)
+            ctypes.memmove(area[0] + self._fill, src + done, take)
+            self._fill += take
+            done += take
+            if self._fill == area[1]:
+                self.flush()
+
+    def discard(self) -> None:
+        """Drop what the current area holds without copying it (a batch that failed)."""
+        self._fill = 0
+
+    def flush(self) -> None:
+        """Queue the copy of what the current area holds, record its event, turn to the next area."""
+        if not self._fill:
+            return
         area = self._areas[self._turn]
-        if area[2] is not None:
-            _cuda.event_synchronize(area[2], self.device)  # its last copy read it: usually long done
-        if area[1] < nbytes:
-            if area[0]:
-                _cuda.host_free(area[0], self.device)
-                area[0] = area[1] = 0
-            area[0] = _cuda.host_alloc(nbytes, self.device)
-            area[1] = nbytes
-        return int(area[0])
-
-    def copy(self, dst: int, runs: list[tuple[int, int]]) -> None:
-        """Queue the copies of the current area's ``runs`` (offset, length) to ``dst`` + offset,
-        then record the area's event and turn to the next area."""
-        from . import _cuda
-
-        area = self._areas[self._turn]
-        for offset, length in runs:
-            _cuda.memcpy_htod_async(dst + offset, area[0] + offset, length, self.device, 0)
-        if area[2] is None:
-            area[2] = _cuda.event_create(self.device)
-        _cuda.event_record(area[2], self.device, 0)
+        self._copy(self._dst, area[0], self._fill)
+        self._record(area)
+        self.copies += 1
+        self._fill = 0
         self._turn = (self._turn + 1) % self.BUFFERS
 
     def close(self) -> None:
         """Free the areas once their last copies are done."""
+        self.flush()
+        for area in self._areas:
+            self._wait(area)
+            if area[2] is not None:
+                self._destroy(area[2])
+            if area[0]:
+                self._free(area[0])
+        self._areas = [[0, 0, None] for _ in range(self.BUFFERS)]
+        self._size = 0
+
+    # -- the device's side (host memory in the tests of the chunking) --------------------------
+    def _alloc(self, nbytes: int) -> int:
         from . import _cuda
 
-        for area in self._areas:
-            if area[2] is not None:
-                _cuda.event_synchronize(area[2], self.device)
-                _cuda.event_destroy(area[2], self.device)
-            if area[0]:
-                _cuda.host_free(area[0], self.device)
-        self._areas = [[0, 0, None] for _ in range(self.BUFFERS)]
+        return int(_cuda.host_alloc(nbytes, self.device))
+
+    def _free(self, ptr: int) -> None:
+        from . import _cuda
+
+        _cuda.host_free(ptr, self.device)
+
+    def _copy(self, dst: int, src: int, nbytes: int) -> None:
+        from . import _cuda
+
+        _cuda.memcpy_htod_async(dst, src, nbytes, self.device, 0)
+
+    def _record(self, area: list[Any]) -> None:
+        from . import _cuda
+
+        if area[2] is None:
+            area[2] = _cuda.event_create(self.device)
+        _cuda.event_record(area[2], self.device, 0)
+
+    def _wait(self, area: list[Any]) -> None:
+        if area[2] is not None:
+            from . import _cuda
+
+            _cuda.event_synchronize(area[2], self.device)
+
+    def _destroy(self, event: Any) -> None:
+        from . import _cuda
+
+        _cuda.event_destroy(event, self.device)
 
 
 class SlotWriter:
@@ -136,10 +206,15 @@ class SlotWriter:
     next free, aligned part of it): write into it (``copy_from``, NumPy on
     the host backend, a GPU library through DLPack or
     ``__cuda_array_interface__``) and return it in the batch.
+    ``writer.stacked(shape, dtype, parts)`` writes an array whose bytes are
+    ``parts`` (host ``(address, length)`` pairs, in order: the samples of a
+    stack) and returns its Buffer: on the host backend straight into the
+    slot, on CUDA through the worker's page-locked staging.
     ``writer.staged_empty(shape, dtype)`` returns ``(host, buffer)``: a NumPy
     array to write the values into on the CPU, and the Buffer in the slot they
     will be in once the batch is published (on the host backend ``host`` is
-    the slot itself; on CUDA, page-locked staging copied at :meth:`finish`).
+    the slot itself; on CUDA, a host array sent through staging at
+    :meth:`finish`).
     Anything else array-like that ``collate`` returns is copied into the
     slot; plain Python values travel as they are. ``device`` is the slots'
     device (``"cpu"`` or a CUDA ordinal).
@@ -158,10 +233,11 @@ class SlotWriter:
         self._limit = slot.nbytes if slot is not None else None
         self.device = device
         self._backend = backend
-        # Staging needs the slot (its offsets): the first batch, in scratch buffers, copies directly.
+        # Staging needs the slot (its addresses): the first batch, in scratch buffers, copies directly.
         self._staging = staging if slot is not None and isinstance(device, int) else None
-        self._stage_at = 0  # address of this batch's staging area, once asked for
-        self._staged: list[tuple[int, int]] = []  # (offset, nbytes) regions written through staging
+        if self._staging is not None and self._limit is not None:
+            self._staging.reserve(self._limit)
+        self._pending: list[tuple[int, Any]] = []  # (offset, host array) from staged_empty, sent at finish
         self._scratch_copies: list[tuple[Buffer, Any]] = []  # first batch: (buffer, host array) to copy at finish
         self.used = 0
         self._regions: dict[int, tuple[Buffer, int, str | None]] = {}
@@ -190,21 +266,47 @@ class SlotWriter:
     def staged_empty(self, shape: Any, dtype: Any = "float32", *, tag: str | None = None) -> tuple[Any, Buffer]:
         """``(host, buffer)``: write the array's values into the NumPy array ``host``; ``buffer``
         is where they are in the slot once :meth:`finish` ran (the same memory on the host
-        backend). For samples made on the CPU: see the module docstring."""
+        backend). On CUDA ``host`` is plain memory sent through staging at :meth:`finish`;
+        :meth:`stacked` saves that host copy when the values are already in memory."""
         buf = self.empty(shape, dtype, tag=tag)
         if buf.device == "cpu":
             return buf.numpy(), buf
-        offset = self._regions[id(buf)][1]
-        if self._staging is None:  # the first batch (scratch buffers): a plain array, copied at finish
-            host = np.empty(buf.shape, buf.dtype)
+        host = np.empty(buf.shape, buf.dtype)
+        if self._staging is None:  # the first batch (scratch buffers): copied at finish
             self._scratch_copies.append((buf, host))
-            return host, buf
-        if not self._stage_at:
-            assert self._limit is not None
-            self._stage_at = self._staging.area(self._limit)
-        view = (ctypes.c_char * buf.nbytes).from_address(self._stage_at + offset)
-        self._staged.append((offset, buf.nbytes))
-        return np.frombuffer(memoryview(view), dtype=buf.dtype).reshape(buf.shape), buf
+        else:
+            self._pending.append((self._regions[id(buf)][1], host))
+        return host, buf
+
+    def stacked(self, shape: Any, dtype: Any, parts: list[tuple[int, int]], *, tag: str | None = None) -> Buffer:
+        """An array of ``shape`` and ``dtype`` in the slot whose bytes are ``parts``, host
+        ``(address, length)`` pairs in order (the samples of a stack), which the caller keeps
+        alive for the call. Each byte is copied once on the host: into a host slot, or into
+        page-locked staging bound for a CUDA slot (see the module docstring)."""
+        buf = self.empty(shape, dtype, tag=tag)
+        total = sum(length for _, length in parts)
+        if total != buf.nbytes:
+            buf.release()
+            del self._regions[id(buf)]
+            raise ValueError(f"the parts hold {total} bytes; an array of {buf.shape} {buf.dtype} has {buf.nbytes}")
+        if buf.device == "cpu":
+            at = buf.ptr
+            for address, length in parts:
+                ctypes.memmove(at, address, length)
+                at += length
+        elif self._staging is None:  # the first batch (scratch buffers): copied at finish
+            host = np.empty(buf.nbytes, np.uint8)
+            at = host.ctypes.data
+            for address, length in parts:
+                ctypes.memmove(at, address, length)
+                at += length
+            self._scratch_copies.append((buf, host.view(buf.dtype).reshape(buf.shape)))
+        else:
+            at = buf.ptr
+            for address, length in parts:
+                self._staging.write(at, address, length)
+                at += length
+        return buf
 
     def put(self, array: Any, *, tag: str | None = None) -> Buffer:
         """Copy ``array`` (NumPy, array-like or a CUDA array) into the slot; return its Buffer there."""
@@ -212,35 +314,23 @@ class SlotWriter:
         if cai is not None:
             shape, dtype = tuple(cai["shape"]), np.dtype(cai["typestr"])
             return self.empty(shape, dtype, tag=tag).copy_from(array)
-        array = np.asarray(array)
-        host, buf = self.staged_empty(array.shape, array.dtype, tag=tag)
-        host[...] = array
-        return buf
+        array = np.ascontiguousarray(array)
+        return self.stacked(array.shape, array.dtype, [(array.ctypes.data, array.nbytes)] if array.nbytes else [],
+                            tag=tag)  # fmt: skip
 
     def finish(self) -> None:
-        """Queue the copies of everything staged (one per contiguous run of staged arrays),
+        """Send what :meth:`staged_empty` handed out through staging and queue the last copy,
         before the slot is published. On the host backend there is nothing to do."""
         for buf, host in self._scratch_copies:
             buf.copy_from(host)
         self._scratch_copies.clear()
-        if not self._staged:
+        if self._staging is None:
             return
-        assert self._staging is not None and self._slot is not None
-        runs: list[list[int]] = []
-        for offset, nbytes in sorted(self._staged):
-            if runs and offset <= runs[-1][1] + ALIGN and not self._written_between(runs[-1][1], offset):
-                runs[-1][1] = offset + nbytes
-            else:
-                runs.append([offset, offset + nbytes])
-        self._staging.copy(self._slot.ptr, [(start, end - start) for start, end in runs])
-        self._staged.clear()
-        self._stage_at = 0
-
-    def _written_between(self, start: int, end: int) -> bool:
-        """Whether an array not staged lies in [start, end) of the slot (a run of staged
-        arrays must not be copied over it)."""
-        staged = {offset for offset, _ in self._staged}
-        return any(start <= offset < end and offset not in staged for _, offset, _ in self._regions.values())
+        assert self._slot is not None
+        for offset, host in sorted(self._pending, key=lambda pending: pending[0]):
+            self._staging.write(self._slot.ptr + offset, host.ctypes.data, host.nbytes)
+        self._pending.clear()
+        self._staging.flush()
 
     def layout(self, tree: Any) -> Any:
         """The batch's structure with each array replaced by ``("array", offset, shape, dtype, tag)``."""
@@ -278,6 +368,10 @@ class SlotWriter:
             buf.release()
         self._regions.clear()
         self._slot = None
+        self._pending.clear()
+        self._scratch_copies.clear()
+        if self._staging is not None:
+            self._staging.discard()  # a batch that failed half-way: its bytes go nowhere
 
 
 def _row(buf: Buffer, index: int, shape: tuple[int, ...]) -> Buffer:
@@ -305,8 +399,12 @@ def default_collate(samples: list[Any], writer: SlotWriter) -> Any:
     if isinstance(first, bool) or isinstance(first, (int, float, complex, np.generic)):
         return writer.put(np.asarray(samples))
     if isinstance(first, np.ndarray):
-        # Stacked in place: into the host slot itself, or into staging for a CUDA slot.
-        host, out = writer.staged_empty((len(samples), *first.shape), first.dtype)
+        # Each sample copied once: into the host slot itself, or into staging for a CUDA slot.
+        if all(isinstance(s, np.ndarray) and s.shape == first.shape and s.dtype == first.dtype for s in samples):
+            dense = [np.ascontiguousarray(s) for s in samples]  # kept alive until the bytes are copied
+            parts = [(a.ctypes.data, a.nbytes) for a in dense if a.nbytes]
+            return writer.stacked((len(samples), *first.shape), first.dtype, parts)
+        host, out = writer.staged_empty((len(samples), *first.shape), first.dtype)  # np.stack promotes, or says why not
         try:
             np.stack(samples, out=host)
         except ValueError as exc:

@@ -34,7 +34,7 @@ The data flow, per epoch (one ``iter(loader)``):
   slot goes back to its worker when the last reference to the batch (its
   arrays, their views, tensors made from them) is gone; so memory is bounded
   by ``num_workers * slots`` slots (and, for CPU samples into CUDA slots,
-  two slots' worth of page-locked staging per worker).
+  two areas of page-locked staging per worker, of at most 4 MiB each).
 
 Persistent workers: the workers and their rings stay for the loader's life;
 a new epoch sends its tasks to the same queues. An epoch left early leaves
@@ -559,7 +559,7 @@ class SlotLoader:
             "device_bytes": len(rings) * self.slots * slot_bytes if isinstance(self.device, int) else 0,
             "host_bytes": len(rings) * self.slots * slot_bytes if self.device == "cpu" else 0,
             # CPU samples into CUDA slots: at most this much page-locked staging per worker
-            "staging_bytes_per_worker": Staging.BUFFERS * slot_bytes if isinstance(self.device, int) else 0,
+            "staging_bytes_per_worker": Staging.bytes_for(slot_bytes) if isinstance(self.device, int) else 0,
             "pinned": bool(house and house.pinned),
         }
 

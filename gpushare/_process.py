@@ -233,8 +233,18 @@ def dumps(obj: Any) -> bytes:
     return out.getvalue()
 
 
-def _rebuild_process(data: bytes) -> Any:
-    """In the child: the process object, from :meth:`GpuProcessMixin.__reduce_ex__`'s bytes."""
+def _rebuild_process(data: bytes, device: Any = None) -> Any:
+    """In the child: the process object, from :meth:`GpuProcessMixin.__reduce_ex__`'s bytes.
+
+    A child bound to a CUDA device starts making the device's context first, on
+    a thread: unpickling the target and its arguments imports their modules
+    (torch, for a loader's dataset: seconds), and the context is made meanwhile
+    instead of after them. :func:`bind_device` in ``run()`` waits for it.
+    """
+    if isinstance(device, int):
+        from . import _cuda
+
+        _cuda.start_context(device)
     cls, state = pickle.loads(data)
     process = cls.__new__(cls)
     process.__dict__.update(state)
@@ -310,7 +320,7 @@ class GpuProcessMixin(BaseProcess):
             return super().__reduce_ex__(protocol)
         # multiprocessing's Popen spawning the child: the whole process object
         # goes as one stream of :func:`dumps` (see the module docstring).
-        return (_rebuild_process, (dumps((type(self), self.__dict__)),))
+        return (_rebuild_process, (dumps((type(self), self.__dict__)), self._device))
 
     def run(self) -> None:
         bind_device(self._device)

@@ -16,10 +16,10 @@ Without ``collate_fn``, samples (tensors, NumPy arrays, numbers, and
 tuples/lists/dicts of them, like torch's ``default_collate``) are stacked
 *into* the slot by ``torch.stack(..., out=...)``: a worker that makes its
 samples on the GPU writes each batch once, and the trainer reads it in
-place; samples made on the CPU for a CUDA slot are stacked into the
-worker's page-locked staging and reach the slot by one asynchronous copy,
-ordered before the trainer's reads by the slot's event (no synchronisation
-in the worker). With a ``collate_fn``, its result is copied into the slot
+place; samples made on the CPU for a CUDA slot are copied once, into the
+worker's page-locked staging (two areas of at most 4 MiB, used in turn),
+and reach the slot by asynchronous copies ordered before the trainer's
+reads by the slot's event (no synchronisation in the worker). With a ``collate_fn``, its result is copied into the slot
 (one device copy in the worker). Slots live on ``device`` (default: the current
 CUDA device when torch sees one, else host shared memory, and then the
 tensors are CPU tensors viewing it).
@@ -103,13 +103,15 @@ def _slot_tensor(writer: SlotWriter, shape: tuple[int, ...], dtype: torch.dtype)
 def _put_tensor(writer: SlotWriter, tensor: torch.Tensor) -> Any:
     if tensor.device.type == "cpu":  # through staging for a CUDA slot, like stacked samples
         layout, tag = _layout_dtype(tensor.dtype)
-        host, buf = writer.staged_empty(tuple(tensor.shape), layout, tag=tag)
-        out = torch.from_numpy(host)
-        (out.view(tensor.dtype) if tag else out).copy_(tensor)
-        return buf
+        return writer.stacked(tuple(tensor.shape), layout, _parts([tensor.contiguous()]), tag=tag)
     buf, out = _slot_tensor(writer, tuple(tensor.shape), tensor.dtype)
     out.copy_(tensor)
     return buf
+
+
+def _parts(tensors: list[torch.Tensor]) -> list[tuple[int, int]]:
+    """``(address, length)`` of each contiguous CPU tensor's bytes, for ``SlotWriter.stacked``."""
+    return [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors if t.numel()]
 
 
 def _stack(samples: list[Any], writer: SlotWriter) -> Any:
@@ -127,10 +129,13 @@ def _stack(samples: list[Any], writer: SlotWriter) -> Any:
                     "have one shape to be stacked; pad them in the dataset, or pass collate_fn="
                 )
         if first.device.type == "cpu":
-            # Stacked on the CPU in place: into a host slot, or into page-locked staging that
-            # one asynchronous copy takes to a CUDA slot (see gpushare._batch).
+            # Stacked on the CPU, each sample copied once: into a host slot, or into page-locked
+            # staging that asynchronous copies take to a CUDA slot (see gpushare._batch).
             layout, tag = _layout_dtype(first.dtype)
-            host, buf = writer.staged_empty((len(samples), *shape), layout, tag=tag)
+            if all(s.device.type == "cpu" and s.dtype == first.dtype for s in samples):
+                dense = [s.contiguous() for s in samples]  # kept alive until the bytes are copied
+                return writer.stacked((len(samples), *shape), layout, _parts(dense), tag=tag)
+            host, buf = writer.staged_empty((len(samples), *shape), layout, tag=tag)  # dtypes to promote
             out = torch.from_numpy(host)
             torch.stack(samples, out=out.view(first.dtype) if tag else out)
             return buf

@@ -18,6 +18,7 @@ import sys
 import textwrap
 import time
 from collections import namedtuple
+from typing import Any
 
 import numpy as np
 import pytest
@@ -298,6 +299,162 @@ def test_cpu_samples_reach_a_cuda_slot_through_staging(persistent: bool) -> None
             assert (images.numpy()[:, 1, 2] == expected).all(), step
             assert labels.numpy().tolist() == expected.astype(int).tolist()
             assert names == [f"s{i}" for i in expected.astype(int)]
+    data.close()
+
+
+class HostStaging:
+    """gpushare._batch.Staging whose "device" is host memory and whose copies run late: a copy
+    runs only when the staging waits for its area's event (or at drain()), so an area written
+    again before its copy ran would send the wrong bytes, as a GPU would."""
+
+    @staticmethod
+    def make(chunk: int) -> Any:
+        import ctypes
+
+        from gpushare._batch import Staging
+
+        class _Staging(Staging):
+            def __init__(self) -> None:
+                super().__init__(device=0, chunk=chunk)
+                self.keep: list[Any] = []
+                self.queued: list[tuple[int, int, int, int]] = []  # (area id, dst, src, nbytes)
+                self.sizes: list[int] = []
+
+            def _alloc(self, nbytes: int) -> int:
+                buf = ctypes.create_string_buffer(nbytes)
+                self.keep.append(buf)
+                return ctypes.addressof(buf)
+
+            def _free(self, ptr: int) -> None:
+                pass
+
+            def _copy(self, dst: int, src: int, nbytes: int) -> None:
+                area = next(a for a in self._areas if a[0] <= src < a[0] + a[1])
+                self.queued.append((id(area), dst, src, nbytes))
+                self.sizes.append(nbytes)
+
+            def _record(self, area: list[Any]) -> None:
+                area[2] = "recorded"
+
+            def _wait(self, area: list[Any]) -> None:
+                self.run(lambda key: key == id(area))
+
+            def _destroy(self, event: Any) -> None:
+                pass
+
+            def run(self, which: Any) -> None:
+                for item in [q for q in self.queued if which(q[0])]:
+                    ctypes.memmove(item[1], item[2], item[3])
+                    self.queued.remove(item)
+
+            def drain(self) -> None:
+                self.run(lambda key: True)
+
+        return _Staging()
+
+
+def test_staging_streams_bytes_in_chunks_and_never_rewrites_an_area_before_its_copy() -> None:
+    import ctypes
+
+    chunk = 4096
+    staging = HostStaging.make(chunk)
+    rng = np.random.default_rng(7)
+    slot = ctypes.create_string_buffer(64 * 1024)
+    base = ctypes.addressof(slot)
+    samples = [rng.integers(0, 256, 1000, dtype=np.uint8) for _ in range(10)]  # 10,000 bytes: 3 chunks
+    labels = rng.integers(0, 256, 300, dtype=np.uint8)
+    for batch in range(3):  # the areas are reused batch after batch
+        at = base + batch * 16384
+        for i, sample in enumerate(samples):
+            staging.write(at + i * 1000, sample.ctypes.data, sample.nbytes)
+        staging.write(at + 10240, labels.ctypes.data, labels.nbytes)  # elsewhere: its own copy
+        staging.flush()
+    staging.drain()
+    got = np.frombuffer(slot, np.uint8)
+    for batch in range(3):
+        at = batch * 16384
+        assert (got[at : at + 10000] == np.concatenate(samples)).all(), batch
+        assert (got[at + 10240 : at + 10540] == labels).all(), batch
+    assert max(staging.sizes) <= chunk and staging.nbytes == 2 * chunk
+    assert staging.copies == 3 * 4  # per batch: 3 full or partial chunks of samples, 1 for the labels
+    staging.close()
+    assert staging.nbytes == 0
+
+
+def test_staging_sizes_its_areas_to_small_slots_and_drops_a_failed_batch() -> None:
+    import ctypes
+
+    staging = HostStaging.make(1 << 20)
+    staging.reserve(3000)  # slots smaller than a chunk: areas of the slot's size
+    assert staging.nbytes == 2 * 3000
+    slot = ctypes.create_string_buffer(8192)
+    base = ctypes.addressof(slot)
+    junk = np.full(2000, 9, np.uint8)
+    staging.write(base, junk.ctypes.data, junk.nbytes)
+    staging.discard()  # the batch failed half-way: those bytes go nowhere
+    good = np.arange(2500, dtype=np.uint16).view(np.uint8)[:2500].copy()
+    staging.write(base + 4096, good.ctypes.data, good.nbytes)
+    staging.flush()
+    staging.drain()
+    got = np.frombuffer(slot, np.uint8)
+    assert not got[:4096].any()
+    assert (got[4096 : 4096 + 2500] == good).all()
+    assert staging.sizes == [2500]  # one copy, of the good batch only
+
+
+class BigRows:
+    """Sample i: a row of 5,000 float32 (20 KB) equal to i, and i."""
+
+    def __len__(self) -> int:
+        return 48
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
+        return np.full(5000, i, np.float32), i
+
+
+def test_stacked_samples_land_whole_in_host_slots(server: mp.BufferManager) -> None:
+    data = loader(BigRows(), server, batch_size=8, num_workers=2)
+    for step, (rows, labels) in enumerate(data):
+        expected = np.arange(8 * step, 8 * step + 8)
+        assert (rows.numpy() == expected[:, None]).all(), step
+        assert labels.numpy().tolist() == expected.tolist()
+
+
+def half_then_fail(samples: list[tuple[np.ndarray, int]], writer: mp.SlotWriter) -> Any:
+    """A collate that streams a large array through staging, then fails on batch 2."""
+    rows = np.stack([row for row, _ in samples])
+    out = writer.put(rows)
+    labels = [label for _, label in samples]
+    if 16 in labels:
+        raise RuntimeError("collate failed after staging its rows")
+    return out, np.array(labels)
+
+
+class WideRows:
+    """Sample i: 2,000,000 bytes equal to i % 251 (a batch of 8 spans four 4 MiB chunks), and i."""
+
+    def __len__(self) -> int:
+        return 48
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
+        return np.full(2_000_000, i % 251, np.uint8), i
+
+
+@pytest.mark.gpu
+def test_a_batch_that_fails_after_staging_leaves_the_next_batches_intact() -> None:
+    data = mp.SlotLoader(WideRows(), batch_size=8, num_workers=1, slots=2, device=0, timeout=60,
+                         collate=half_then_fail)  # fmt: skip
+    epoch = iter(data)
+    for step in range(6):
+        if step == 2:
+            with pytest.raises(RuntimeError, match="after staging"):
+                next(epoch)
+            continue
+        rows, labels = next(epoch)
+        expected = np.arange(8 * step, 8 * step + 8)
+        assert labels.numpy().tolist() == expected.tolist(), step
+        host = rows.numpy()
+        assert (host == (expected % 251)[:, None]).all(), step
     data.close()
 
 

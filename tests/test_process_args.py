@@ -114,6 +114,32 @@ def _noop() -> None:
     pass
 
 
+class SeesTheContext:
+    """An argument that, while the child unpickles it, waits (at most 20 s) for the child's
+    device context to be made: a worker bound to a device starts making it before it
+    unpickles its target and arguments, so it is made during their imports."""
+
+    def __reduce__(self) -> Any:
+        return (_sees_the_context, ())
+
+
+def _sees_the_context() -> bool:
+    import time
+
+    from gpushare._cuda import _driver
+
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if 0 in _driver._primary:
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def _w_context_seen(out: Any, seen: bool) -> None:
+    out.put(("seen", seen))
+
+
 def write_tensors(cuda_t: Any, cpu_t: Any, out: Any) -> None:
     """In the child: write both tensors in place and say what arrived."""
     try:
@@ -328,6 +354,42 @@ def test_process_device_binds_worker(reap: list[Any], device: Any) -> None:
     assert proc.device == 0
     assert recv(out, proc, timeout=60) == ("device", "0", 0)
     join_ok(proc, timeout=GPU_TIMEOUT)
+
+
+@pytest.mark.gpu
+def test_a_device_worker_makes_its_context_while_it_unpickles(reap: list[Any]) -> None:
+    out = mp.Queue()
+    proc = start_guarded(reap, _w_context_seen, out, SeesTheContext(), device=0)
+    assert recv(out, proc, timeout=60) == ("seen", True)
+    join_ok(proc, timeout=GPU_TIMEOUT)
+
+
+def test_a_device_worker_without_a_gpu_fails_saying_what_to_do(tmp_path) -> None:
+    from gpushare import _cuda
+
+    if _cuda.available():
+        pytest.skip("this machine has a GPU")
+    script = tmp_path / "script.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import gpushare as mp
+
+            if __name__ == "__main__":
+                p = mp.Process(target=print, args=("the target ran",), device=0)
+                p.start()
+                p.join(60)
+                print("exitcode", p.exitcode)
+            """
+        )
+    )
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=subprocess_env()
+    )
+    assert out.returncode == 0, out.stderr
+    assert "the target ran" not in out.stdout
+    assert "exitcode 1" in out.stdout
+    assert "NoDeviceError" in out.stderr and "device='cpu'" in out.stderr, out.stderr
 
 
 @pytest.mark.gpu

@@ -169,7 +169,43 @@ def test_cpu_images_arrive_in_cuda_slots_through_page_locked_staging(dtype: str)
         assert torch.equal(labels.cpu(), torch.arange(64 * step, 64 * step + 64))
         assert float(images.float().sum()) == float(expected.to(kind).float().sum()) * 3 * 32 * 32
     stats = loader.stats()
-    assert stats["staging_bytes_per_worker"] == 2 * stats["slot_bytes"]
+    assert stats["staging_bytes_per_worker"] == 2 * min(4 << 20, stats["slot_bytes"])
+    loader.close()
+
+
+class LargeImages(torch.utils.data.Dataset):
+    """ImageNet-sized samples made on the CPU: 3x224x224, every pixel of sample i equal to
+    i % 251 plus its channel, so a chunk copied to the wrong place shows."""
+
+    def __init__(self, n: int, dtype: torch.dtype) -> None:
+        self.n, self.dtype = n, dtype
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        image = torch.full((3, 224, 224), i % 251, dtype=self.dtype)
+        image[1] += 1
+        image[2] += 2
+        return image, i
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["uint8", "float32"])
+def test_batches_larger_than_the_staging_arrive_whole(dtype: str) -> None:
+    # 64 images of 3x224x224: 9.6 MB (uint8) or 38.5 MB (float32) a batch, through two
+    # page-locked areas of 4 MiB per worker, many copies per batch, areas reused in turn.
+    kind = getattr(torch, dtype)
+    loader = DataLoader(LargeImages(64 * 6, kind), batch_size=64, num_workers=2, slots=2, device="cuda:0",
+                        timeout=120)  # fmt: skip
+    for step, (images, labels) in enumerate(loader):
+        first = torch.arange(64 * step, 64 * step + 64) % 251
+        want = torch.stack([first, first + 1, first + 2], dim=1).to(kind).cuda()  # (64, 3)
+        assert torch.equal(images.amin(dim=(2, 3)), want), step
+        assert torch.equal(images.amax(dim=(2, 3)), want), step
+        assert torch.equal(labels.cpu(), torch.arange(64 * step, 64 * step + 64))
+    assert step == 5
+    assert loader.stats()["staging_bytes_per_worker"] == 2 * (4 << 20)
     loader.close()
 
 

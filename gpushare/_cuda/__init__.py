@@ -100,6 +100,7 @@ from ._driver import (
     make_current,
     on_device,
     ordinal_from_uuid,
+    start_context,
     supports,
 )
 from ._streams import (
@@ -167,6 +168,7 @@ __all__ = [
     "pool_import",
     "pool_import_pointer",
     "pool_trim",
+    "start_context",
     "stream_create",
     "stream_destroy",
     "stream_idle",

@@ -325,6 +325,25 @@ def _stream(driver: Any, stream: int) -> Any:
     return handle
 
 
+def start_context(ordinal: int) -> None:
+    """Begin making device ``ordinal``'s primary context on a thread of its own, and return.
+
+    A worker bound to a device calls this before it unpickles its target and
+    arguments, so that the context (a few hundred milliseconds on an H100)
+    is made while those imports run (torch for a dataset, say) instead of
+    after them. :func:`make_current` then waits for it (the module lock).
+    A failure is kept for that call to raise with its own message.
+    """
+
+    def make() -> None:
+        try:
+            _primary_context(ordinal)
+        except BaseException:  # make_current raises it again, on the main thread
+            pass
+
+    _thread.start_new_thread(make, ())
+
+
 def make_current(ordinal: int) -> None:
     """Make device ``ordinal``'s primary context current on this thread (worker start-up)."""
     driver = _load()
