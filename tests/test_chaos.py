@@ -80,6 +80,7 @@ STEPS = int(os.environ.get("GPUSHARE_CHAOS_STEPS", "30"))
 SHRINK = os.environ.get("GPUSHARE_CHAOS_SHRINK", "") == "1"
 RANDOM = os.environ.get("GPUSHARE_CHAOS_RANDOM", "") == "1"  # default: the same schedules every run
 RUN_SECONDS = float(os.environ.get("GPUSHARE_CHAOS_SECONDS", "20"))
+POOL_HOLD = 64 << 20  # what the driver keeps for an imported cuda_pool pool (see test_chaos_run)
 
 
 # -- the model --------------------------------------------------------------------------------
@@ -608,13 +609,14 @@ def test_chaos_run(backend, tmp_path) -> None:
     # Not vacuous: consumers were killed, and both kinds of item went through.
     assert report["kills"] >= 3 and report["queue_delivered"] > 0 and report["ring_deliveries"] > 0, report
     if backend == "cuda_pool":
-        # Open finding (docs/reliability.md, "Chaos testing"): after ~50 consumers of an IPC
-        # memory pool were SIGKILLed, the owner's device had 32-64 MiB less free memory
-        # though gpushare held no allocation (bytes_allocated 0 after trim). Every other
-        # invariant still holds and is checked; this one is expected to fail until found.
-        others = [p for p in report["problems"] if not p.startswith("device memory not given back")]
-        assert others == [], report
-        if others != report["problems"]:
-            pytest.xfail(f"known: the IPC pool's device keeps memory after killed importers ({report['problems']})")
+        # The driver's, not a leak (docs/reliability.md, tests/driver_repro/): once an exported
+        # IPC pool has been imported, the driver keeps 32 MiB of the device until the exporter
+        # closes the pool's handle, which the owner keeps open while the pool lives; trimming
+        # does not return it. It does not grow with kills: 32-64 MiB after ~50 of them in
+        # every run that showed it. A leak of ours (a buffer, mapping or event per kill)
+        # would be far more, so more than POOL_HOLD is still a failure.
+        delta = int(report.get("device_free_delta_bytes", 0))
+        if -delta <= POOL_HOLD:
+            report["problems"] = [p for p in report["problems"] if not p.startswith("device memory not given back")]
     assert report["problems"] == [], report
     assert done.returncode == 0, done.stderr[-4000:]

@@ -781,4 +781,4 @@ def test_engine_on_another_gpu_copies_a_version_from_the_trainers(manager, reap)
     with manager.tensor_set({"x": ((1 << 20,), "float32")}, device=0) as ts:
         ts.publish({"x": torch.full((1 << 20,), 5.0, device="cuda:0")})
         out = run_guarded(reap, ts_peer_engine, ts, device=1)
-        assert recv(out, timeout=120) == ("copied", "cuda:1", 5.0, 5.0)
+        assert recv(out, *reap, timeout=120) == ("copied", "cuda:1", 5.0, 5.0)  # a crash shows its exit code

@@ -163,7 +163,9 @@ def memcpy_async(dst: int, src: int, nbytes: int, ordinal: int, stream: int) -> 
             driver.cuCtxPopCurrent()
 
 
-def memcpy_batch_async(dsts: list[int], srcs: list[int], sizes: list[int], ordinal: int, stream: int) -> None:
+def memcpy_batch_async(
+    dsts: list[int], srcs: list[int], sizes: list[int], ordinal: int, stream: int, *, batch: bool = True
+) -> None:
     """Queue the copies ``srcs[i] -> dsts[i]`` of ``sizes[i]`` bytes on ``stream``, not waiting.
 
     The copies are not ordered among themselves, so none may read what another
@@ -171,7 +173,8 @@ def memcpy_batch_async(dsts: list[int], srcs: list[int], sizes: list[int], ordin
 
     * ``cuMemcpyBatchAsync`` (CUDA 12.8 and later), one driver call for all of
       them, with every source read in stream order;
-    * otherwise one ``cuMemcpyAsync`` per copy: on the legacy default stream
+    * otherwise one ``cuMemcpyAsync`` per copy: where the caller says ``batch=False``
+      (copies between two GPUs, see :func:`gpushare._fanout._copy.copy_regions`), on the legacy default stream
       (``stream`` 0 or 1, which the batched call refuses), where cuda-bindings or
       the driver lack the batched call, or where it refused
       (``CUDA_ERROR_NOT_SUPPORTED`` / ``CUDA_ERROR_INVALID_VALUE``) copies that
@@ -195,7 +198,7 @@ def memcpy_batch_async(dsts: list[int], srcs: list[int], sizes: list[int], ordin
     driver, pushed = _enter(ordinal)
     try:
         handle = _stream(driver, stream)
-        if _batch is False or stream in _LEGACY_STREAMS:
+        if not batch or _batch is False or stream in _LEGACY_STREAMS:
             _copy_each(driver, dsts, srcs, sizes, handle)
             return
         probing = _batch is None

@@ -238,7 +238,11 @@ waits for the recorded ones that are not complete yet. ``copy_to`` and
 ``publish(tensors)`` use ``cuMemcpyBatchAsync`` on a private non-blocking
 stream ordered after the caller's stream by events (the batched call
 refuses the legacy default stream), and the caller's stream then waits for
-the copies: no host synchronisation on the hot path.
+the copies: no host synchronisation on the hot path. The exception is a
+reader on another GPU than the set's: its ``copy_to`` waits for the
+version's event and for its copies (one ``cuMemcpyAsync`` each) on the host,
+since queuing the version's event on a stream of the other GPU crashed the
+driver (``cuStreamWaitEvent``, two H200s).
 
 Ending
 ------

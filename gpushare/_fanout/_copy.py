@@ -364,12 +364,15 @@ def copy_regions(
     orders: Iterable[Any] = (),
     done: Any = None,
     host: bool = False,
+    peer: bool = False,
 ) -> None:
     """Queue the copies on ``ordinal``'s private stream after ``stream``'s work, after each event of
     ``waits`` (``(event, done_already)``: one already done is skipped) and after the producer
     events of the Memories in ``orders``; record ``done`` (default the private stream's own event)
     after them and make ``stream`` wait for it. ``host``: host memory is involved, so wait for
-    the copies here before returning."""
+    the copies here before returning. ``peer``: one side is another GPU's memory, so the
+    copies go one ``cuMemcpyAsync`` each, the call made for copies between GPUs (the
+    batched call was never seen to work there; see ``Snapshot.copy_to``)."""
     private = copy_stream(ordinal)
     with private.lock:
         ours = private.stream
@@ -381,7 +384,7 @@ def copy_regions(
                 _cuda.stream_wait_event(ours, event, ordinal)
         for memory in orders:
             memory.order_stream(ours)
-        _cuda.memcpy_batch_async(dsts, srcs, sizes, ordinal, ours)
+        _cuda.memcpy_batch_async(dsts, srcs, sizes, ordinal, ours, batch=not peer)
         end = private.done if done is None else done
         _cuda.event_record(end, ordinal, ours)
         _cuda.stream_wait_event(stream, end, ordinal)

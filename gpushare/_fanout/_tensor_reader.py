@@ -520,8 +520,9 @@ class Snapshot(Mapping[str, TensorView]):
         Every target must have the layout's shape and dtype (or the tag's) and be
         contiguous and writable; names may be a subset of the layout. On a GPU the
         copies are queued after ``stream``'s work (default: the legacy default
-        stream) and ``stream`` waits for them, with no host wait; into host memory
-        they are done when this returns. Raises :class:`~gpushare.LayoutError`
+        stream) and ``stream`` waits for them, with no host wait; into host memory,
+        or from a version on another GPU than the targets', they are done when this
+        returns. Raises :class:`~gpushare.LayoutError`
         naming the first target that does not fit.
         """
         grant = self._held()
@@ -543,10 +544,24 @@ class Snapshot(Mapping[str, TensorView]):
         ordinal = devices.pop() if devices else memory.device
         assert ordinal is not None
         host = memory.device is None or plan.host
+        # A version on another GPU than the targets': its ready event is waited on here, in
+        # its own GPU's context, and the copies before returning. Queuing that wait on the
+        # targets' GPU instead (cuStreamWaitEvent of the version's event on our stream there)
+        # crashed the engine (SIGSEGV; two H200s, driver 580, 2026-11-26).
+        peer = not host and memory.device != ordinal
+        if peer:
+            memory.ready()
         copy_regions(
-            dsts, srcs, sizes, ordinal, stream_handle(stream), orders=(memory,) if memory.pending else (), host=host
+            dsts,
+            srcs,
+            sizes,
+            ordinal,
+            stream_handle(stream),
+            orders=(memory,) if memory.pending and not peer else (),
+            host=host or peer,
+            peer=peer,
         )
-        if not host:
+        if not host and not peer:
             grant.info.copied = ordinal  # the release orders the trainer's next write after these copies
 
     def release(self) -> None:
