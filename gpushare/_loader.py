@@ -72,6 +72,7 @@ import gc
 import os
 import queue
 import threading
+import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -118,19 +119,34 @@ def _worker_main(worker: int, allocator: Any, dataset: Any, collate: Any, tasks:
 
     parent = options["parent"]
     device, backend, slots = options["device"], options["backend"], options["slots"]
+    marks = {"started": time.time()}  # this worker's first-batch timeline, sent with its ring
 
     def going() -> bool:
         return not stop.is_set() and process_alive(parent)
 
+    def mark(name: str) -> None:
+        marks[name] = time.time()
+
+    def ring_for(slot_bytes: int) -> Any:
+        if isinstance(device, int):
+            from . import _cuda
+
+            _cuda.make_current(device)  # the context the slots need (started before unpickling)
+            mark("context")
+        made = create_ring(allocator, (slot_bytes,), "uint8", device, slots=slots, backend=backend)
+        mark("ring")
+        control.put(("ring", worker, made, dict(marks)))
+        return made
+
     try:
         allocator.link()  # connect to the trainer's Owner now, not with the first slot
+        mark("linked")
         _current[0] = dataset
         if options["worker_init"] is not None:
             options["worker_init"](worker)
         ring = None
         if options["slot_bytes"]:
-            ring = create_ring(allocator, (options["slot_bytes"],), "uint8", device, slots=slots, backend=backend)
-            control.put(("ring", worker, ring))
+            ring = ring_for(options["slot_bytes"])
     except BaseException as exc:
         control.put(("fatal", worker, *exception_payload(exc, worker, -1)))
         return
@@ -169,12 +185,12 @@ def _worker_main(worker: int, allocator: Any, dataset: Any, collate: Any, tasks:
             else:
                 samples = _fetch(dataset, indices)
                 if ring is None:  # first batch: lay it out in scratch buffers, size the slots from it
+                    mark("fetched")
                     writer = SlotWriter(allocator, None, device, backend)
                     meta = ("batch", epoch, seq, writer.layout(collate(samples, writer)))
                     writer.finish()
-                    nbytes = max(1, align(writer.used))
-                    ring = create_ring(allocator, (nbytes,), "uint8", device, slots=slots, backend=backend)
-                    control.put(("ring", worker, ring))
+                    mark("collated")
+                    ring = ring_for(max(1, align(writer.used)))
                     slot = acquire()
                     if slot is None:
                         break
@@ -298,6 +314,7 @@ class _Workers:
         self.sent = [0] * n
         self.taken = [0] * n
         self.broken = False  # a worker died: a persistent loader starts new workers next epoch
+        self.timelines: list[dict[str, float]] = [{} for _ in range(n)]  # per worker: its start-up marks
         self._finalizer = weakref.finalize(
             self, _stop_workers, self.procs, self.tasks, self.control, self.stop, self.rings, self.stash
         )
@@ -318,6 +335,7 @@ class _Workers:
                 daemon=True,
                 name=f"gpushare-loader-{k}",
             )  # fmt: skip
+            self.timelines[k]["spawned"] = time.time()
             proc.start()
             self.procs.append(proc)
 
@@ -515,6 +533,7 @@ class SlotLoader:
         self.manager = manager
         self._resources: _Resources | None = None
         self._epochs: weakref.WeakSet[_Epoch] = weakref.WeakSet()
+        self._first_batch: dict[str, float] | None = None  # the latest epoch's (see stats())
         self._closed = False
 
     def _house(self) -> _Resources:
@@ -541,7 +560,17 @@ class SlotLoader:
         return array
 
     def stats(self) -> dict[str, Any]:
-        """The memory the loader holds: slots (count, bytes each), page-locked bytes, workers."""
+        """The memory the loader holds: slots (count, bytes each), page-locked bytes, workers;
+        and ``first_batch_s``, where the latest epoch's first batch spent its time.
+
+        ``first_batch_s`` (None before a first batch) maps step names to seconds since
+        ``iter()`` began that epoch, in order. ``returned``: ``next()`` gave the batch.
+        With workers started for that epoch, worker 0's start-up too: ``spawned`` (the
+        trainer started it), ``started`` (it had unpickled its target: the imports a
+        dataset needs), ``linked`` (connected to the trainer's allocator), ``fetched``
+        (the first batch's samples, without ``slot_bytes``), ``collated`` (laid out in
+        scratch memory), ``context`` (its CUDA context current, on a GPU), ``ring`` (its
+        slots allocated and mapped), ``ring_received`` (the trainer had them)."""
         house = self._resources
         rings = []
         if house is not None:
@@ -561,6 +590,7 @@ class SlotLoader:
             # CPU samples into CUDA slots: at most this much page-locked staging per worker
             "staging_bytes_per_worker": Staging.bytes_for(slot_bytes) if isinstance(self.device, int) else 0,
             "pinned": bool(house and house.pinned),
+            "first_batch_s": None if self._first_batch is None else dict(self._first_batch),
         }
 
     def close(self) -> None:
@@ -598,6 +628,7 @@ class _Epoch:
         self._house = house
         n = loader.num_workers
         self._batches = iter(loader.batch_sampler)
+        self._started = time.time()
         self._sent = self._next = 0
         self._exhausted = False
         if isinstance(loader.device, int):
@@ -608,11 +639,13 @@ class _Epoch:
                 if not w.alive:
                     w.close()
             house.workers[:] = pool
+            self._fresh = not pool  # workers started for this epoch: their start-up is its first batch's
             if not pool:
                 house.workers.append(_Workers(loader, house.allocator))
             self.workers = house.workers[0]
             self.workers.epoch_now.value += 1
         else:
+            self._fresh = True
             self.workers = _Workers(loader, house.allocator)
         self._number = self.workers.epoch_now.value
         self._first: list[int] = list(self.workers.sent)  # per worker, the first task of this epoch
@@ -665,7 +698,16 @@ class _Epoch:
             self._house.pin(item)
         # (house, item): a tuple drops its last item first, so the slot goes back before
         # the loader's resources can be released.
-        return build(payload, item, (self._house, item), self._loader._convert)
+        batch = build(payload, item, (self._house, item), self._loader._convert)
+        if seq == 0:
+            self._loader._first_batch = self._timeline(time.time())
+        return batch
+
+    def _timeline(self, returned: float) -> dict[str, float]:
+        """Worker 0's start-up marks and the trainer's, in seconds since this epoch began."""
+        marks = dict(self.workers.timelines[0]) if self._fresh else {}
+        marks["returned"] = returned
+        return {name: round(t - self._started, 4) for name, t in sorted(marks.items(), key=lambda kv: kv[1])}
 
     def close(self) -> None:
         """End this epoch now: its workers stop (unless persistent); batches already received stay valid."""
@@ -727,6 +769,7 @@ class _Epoch:
             message = w.stash[worker].popleft() if w.stash[worker] else self._control_message(worker, deadline, seq)
             if message[0] == "ring":
                 w.rings[worker] = message[2]
+                w.timelines[worker].update(message[3], ring_received=time.time())
             elif message[0] in ("error", "skip"):
                 return message[0], message[2], message[3], message[4] if message[0] == "error" else None, None
             else:  # "fatal"

@@ -745,6 +745,11 @@ def test_dataloader_gpu_samples_runs_its_grid_on_the_cpu(tmp_path: Path, monkeyp
     markdown = (tmp_path / "benchmarks.md").read_text(encoding="utf-8")
     assert dg.HOW in markdown and f"`{dg.KEY}` batches per second" in markdown
     assert f"| {persistent}: later epochs |" in markdown
+    # gpushare's first batch, step by step, from its loader's stats (worker 0 starting to the trainer)
+    steps = [n for n in first["notes"] if n.startswith(f"{dg.GS_LOADER}, ")]
+    assert [n.split(", first batch")[0] for n in steps] == [f"{dg.GS_LOADER}, {r}" for r in first_rows[:2]]
+    assert all("spawned 0." in n and "ring_received" in n and n.rstrip(".").split()[-2] == "returned" for n in steps)
+    assert steps[0] in markdown
 
 
 def test_dataloader_gpu_samples_judges_device_memory_and_its_flatness(tmp_path: Path) -> None:
@@ -831,6 +836,8 @@ def test_dataloader_cpu_samples_runs_on_the_cpu_and_a_wrong_batch_fails_the_cell
         "batches per second (1e6 / median us per batch)"
     ]
     assert dc.HOW in (tmp_path / "benchmarks.md").read_text(encoding="utf-8")
+    steps = [n for n in first["notes"] if n.startswith(f"{dc.GS_LOADER}, ")]
+    assert len(steps) == 2 and all("started" in n and "collated" in n and "returned" in n for n in steps), steps
 
     monkeypatch.setattr(dc, "MODULUS", 2)  # samples 0 and 1 of batch 0 still match
     for system in dc.SYSTEMS:

@@ -243,6 +243,21 @@ def test_persistent_workers_keep_their_processes_and_rings_across_epochs() -> No
     wait_until(lambda: all_gone(pids), timeout=15)  # and stopped by close()
 
 
+def test_stats_say_where_the_first_batch_spent_its_time() -> None:
+    with mp.SlotLoader(Squares(16), batch_size=4, num_workers=2, slots=2, device="cpu", timeout=60,
+                       persistent_workers=True) as data:  # fmt: skip
+        assert data.stats()["first_batch_s"] is None
+        assert len(list(data)) == 4
+        first = data.stats()["first_batch_s"]
+        # Workers started for this epoch: worker 0's start-up, in the order it happened, then the
+        # trainer's receipt of its ring and of the batch; seconds since iter() began the epoch.
+        steps = ["spawned", "started", "linked", "fetched", "collated", "ring", "ring_received", "returned"]
+        assert list(first) == steps, first
+        assert list(first.values()) == sorted(first.values()) and first["spawned"] >= 0, first
+        assert len(list(data)) == 4  # the same workers again: their start-up is no part of this epoch
+        assert list(data.stats()["first_batch_s"]) == ["returned"]
+
+
 def test_pin_memory_without_a_gpu_warns_and_batches_stay_pageable() -> None:
     if _gpus() > 0:
         pytest.skip("this machine has a GPU: test_pin_memory_page_locks_the_host_slots covers it")
@@ -292,13 +307,16 @@ def test_cpu_samples_reach_a_cuda_slot_through_staging(persistent: bool) -> None
     # order, batch after batch (the two staging areas used in turn).
     data = mp.SlotLoader(Squares(400), batch_size=8, num_workers=2, slots=2, device=0, timeout=60,
                          persistent_workers=persistent)  # fmt: skip
-    for _ in range(2 if persistent else 1):
+    for epoch in range(2 if persistent else 1):
         for step, (images, labels, names) in enumerate(data):
             assert images.device == 0
             expected = np.arange(8 * step, 8 * step + 8, dtype=np.float32)
             assert (images.numpy()[:, 1, 2] == expected).all(), step
             assert labels.numpy().tolist() == expected.astype(int).tolist()
             assert names == [f"s{i}" for i in expected.astype(int)]
+        if epoch == 0:  # a device worker's context is a step of its first batch
+            marks = list(data.stats()["first_batch_s"])
+            assert marks.index("collated") < marks.index("context") < marks.index("ring"), marks
     data.close()
 
 

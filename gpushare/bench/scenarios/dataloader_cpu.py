@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 from ..results import Check, Scenario, Table, _bind
 from ..settings import BenchError, MiB
 from ..stats import Target
-from .dataloader_gpu import add_pair, device_used, loader_skip, rate_table, settled_used
+from .dataloader_gpu import add_pair, device_used, first_steps, loader_skip, note_steps, rate_table, settled_used
 
 if TYPE_CHECKING:
     from ..runner import Bench
@@ -78,7 +78,8 @@ HOW = (
     "`pin_memory=True` (spawn workers, prefetch_factor 2) and `.cuda(non_blocking=True)` of images and labels in "
     f"the trainer, against {GS_LOADER}: its workers stack each batch into page-locked staging and copy it "
     f"asynchronously into one of {SLOTS} GPU slots per worker, which the trainer views. Time to the first batch: "
-    "from the loader's construction to `next()` (and the trainer's copy issued, for torch). Then "
+    "from the loader's construction to `next()` (and the trainer's copy issued, for torch), with gpushare's "
+    "step by step in a note per cell (`loader.stats()['first_batch_s']`). Then "
     f"{FULL.warmup} warm-up batches, the first {VERIFY} compared whole with what the dataset made, and "
     f"{FULL.repeats} repeats of {FULL.count} batches timed whole ({QUICK.warmup}, {QUICK.repeats}, "
     f"{QUICK.count} with --quick), the device synchronized after each; on every batch the trainer queues a small "
@@ -189,6 +190,7 @@ class CellRun:
     host_bytes: int | None  # page-locked host bytes (None off CUDA)
     host_how: str  # how host_bytes was had
     device_bytes: int | None  # device bytes in use at the end, less before (None off CUDA)
+    steps: dict[str, float] | None = None  # gpushare's: where its first batch went (loader.stats())
 
 
 def _host_stats() -> dict[str, Any] | None:
@@ -251,6 +253,7 @@ def run_cell(system: str, dtype: str, workers: int, counts: Counts) -> CellRun:
         it = iter(loader)
         images, want = take(it)
         first = clock() - t0
+        steps = first_steps(loader)
         for i in range(warm):
             if i < VERIFY and bool((images.reshape(BATCH, -1) != want[:, None]).any()):
                 raise BenchError(f"{system} delivered a wrong batch: batch {i} differs from the dataset's")
@@ -300,7 +303,7 @@ def run_cell(system: str, dtype: str, workers: int, counts: Counts) -> CellRun:
     bad = int(errors.item())
     if bad:
         raise BenchError(f"{system} delivered wrong batches: {bad} values or labels differ from the dataset's")
-    return CellRun(per_batch, first, host_bytes, host_how, device_bytes)
+    return CellRun(per_batch, first, host_bytes, host_how, device_bytes, steps)
 
 
 def measure(bench: Bench, system: str, dtype: str, workers: int, counts: Counts) -> list[int]:
@@ -308,6 +311,7 @@ def measure(bench: Bench, system: str, dtype: str, workers: int, counts: Counts)
     run = run_cell(system, dtype, workers, counts)
     row = row_label(dtype, workers)
     bench._pool(bench.scenarios[FIRST_KEY], system, row, [run.first])
+    note_steps(bench.scenarios[FIRST_KEY], system, row, run.steps)
     main = bench.scenarios[KEY]
     if run.host_bytes is not None or run.device_bytes is not None:
         main.details.setdefault("loader_memory", {}).setdefault(row, {})[system] = {

@@ -92,7 +92,9 @@ HOW = (
     f"persistent ({QUICK.per_epoch}, {QUICK.flat} and {QUICK.persistent} with --quick). `{KEY}`: median time per "
     f"chunk / {CHUNK} (1e6 / it = batches/s), torch's as the floor; target: gpushare's <= torch's. "
     f"`{FIRST_KEY}`: from a new loader's construction (a persistent loader's later epochs: from `iter()`) until "
-    "`next()` returns the first batch; target <= torch's. Device memory: the device's used memory "
+    "`next()` returns the first batch; target <= torch's; a note per cell gives gpushare's first batch step by "
+    "step (`loader.stats()['first_batch_s']`: worker 0 spawned, started, linked, its slots allocated, the "
+    "trainer's receipt). Device memory: the device's used memory "
     "(`torch.cuda.mem_get_info` in the trainer: trainer and workers, contexts included) at the end of each "
     "epoch, workers still running, less the used memory before the cell; and the trainer's "
     "`torch.cuda.memory_allocated`. Targets: gpushare's <= "
@@ -271,6 +273,20 @@ class CellRun:
     firsts: list[int]  # ns to the first batch, one per epoch
     used: list[int]  # device bytes in use at the end of each epoch, less the baseline (CUDA only)
     trainer: list[int]  # the trainer's torch.cuda.memory_allocated at the same moments, less its baseline
+    steps: dict[str, float] | None = None  # gpushare's: where its first epoch's first batch went
+
+
+def first_steps(loader: Any) -> dict[str, float] | None:
+    """gpushare's ``loader.stats()["first_batch_s"]`` (torch's loader has none)."""
+    stats = getattr(loader, "stats", None)
+    return None if stats is None else stats().get("first_batch_s")
+
+
+def note_steps(scenario: Scenario, system: str, row: str, steps: dict[str, float] | None) -> None:
+    """A note on ``scenario``: where ``system``'s first batch of ``row`` spent its time."""
+    if steps:
+        marks = ", ".join(f"{name} {seconds:.3f}" for name, seconds in steps.items())
+        scenario.notes.append(f"{system}, {row}, first batch, s since `iter()` (`loader.stats()`): {marks}.")
 
 
 def run_cell(system: str, workers: int, nbytes: int, mode: str, epochs: int) -> CellRun:
@@ -297,6 +313,8 @@ def run_cell(system: str, workers: int, nbytes: int, mode: str, epochs: int) -> 
             it = iter(loader)
             values, _labels = next(it)
             run.firsts.append(clock() - t0)
+            if run.steps is None:
+                run.steps = first_steps(loader)
             total += values[0, 0] + values[-1, -1]
             gc_was_enabled = gc.isenabled()
             gc.disable()
@@ -359,6 +377,7 @@ def measure(bench: Bench, system: str, workers: int, nbytes: int, mode: str, epo
     run = run_cell(system, workers, nbytes, mode, epochs)
     rows = first_rows(workers, nbytes, mode)
     first = bench.scenarios[FIRST_KEY]
+    note_steps(first, system, rows[0], run.steps)
     if mode == PERSISTENT:
         bench._pool(first, system, rows[0], run.firsts[:1])
         if run.firsts[1:]:
