@@ -550,14 +550,14 @@ class Snapshot(Mapping[str, TensorView]):
         # crashed the engine (SIGSEGV; two H200s, driver 580, 2026-11-26).
         peer = not host and memory.device != ordinal
         if peer:
-            memory.ready()
+            memory.ready()  # and no longer pending: nothing left to order the copies after
         copy_regions(
             dsts,
             srcs,
             sizes,
             ordinal,
             stream_handle(stream),
-            orders=(memory,) if memory.pending and not peer else (),
+            orders=(memory,) if memory.pending else (),
             host=host or peer,
             peer=peer,
         )
