@@ -290,6 +290,63 @@ def _stop_workers(procs: list[Any], tasks: list[Any], control: Any, stop: Any, r
         q.close()
 
 
+# What a forkserver imports once, before it forks any worker: the worker's own module and,
+# when the trainer has them, the heavy imports of datasets and of a worker bound to a GPU.
+# None of them initialises CUDA on import (cuInit runs on first use), so the forked
+# workers can still make their own contexts.
+_PRELOAD = ("torch", "numpy", "gpushare.torch", "cuda.bindings.driver", "gpushare._cuda")
+
+
+def worker_context(choice: Any) -> Any:
+    """The gpushare context that starts a loader's workers (``multiprocessing_context``).
+
+    ``None``: the forkserver where the platform has one, else gpushare's default context.
+    A worker forked from the forkserver skips the interpreter's start and the imports
+    the forkserver made once (torch, for a dataset): each worker costs a fork instead
+    of a spawn, and a new loader per epoch starts its workers in milliseconds. The
+    forkserver never touches CUDA, so its children can. A name (``"spawn"``,
+    ``"forkserver"``) or a context (gpushare's or multiprocessing's) picks another;
+    ``"fork"`` is refused where CUDA is initialised (the workers could not use it).
+    """
+    import multiprocessing
+
+    from ._context import get_context
+
+    if choice is None:
+        method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else None
+    elif isinstance(choice, str):
+        method = choice
+    else:
+        get_method = getattr(choice, "get_start_method", None)
+        if get_method is None:
+            raise ValueError(
+                f"multiprocessing_context={choice!r} is neither a start method's name nor a multiprocessing context"
+            )
+        method = get_method()
+    ctx = get_context(method)
+    if ctx.get_start_method() == "forkserver":
+        _preload_forkserver(ctx)
+    return ctx
+
+
+def _preload_forkserver(ctx: Any) -> None:
+    """Before the forkserver starts, name what it imports once for every worker it forks."""
+    import sys
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    if server is None or getattr(server, "_forkserver_pid", None) is not None:
+        return  # already running: its imports are the ones it was started with
+    wanted = [__name__] + [name for name in _PRELOAD if name in sys.modules]
+    have = list(getattr(server, "_preload_modules", ()) or ())
+    if have == ["__main__"]:
+        # multiprocessing's default: run the main script in the forkserver. Not here: a script
+        # that touches CUDA at module level would leave every forked worker without CUDA; each
+        # worker imports it after the fork instead, as a spawned one does.
+        have = []
+    ctx.set_forkserver_preload(have + [name for name in wanted if name not in have])
+
+
 class _Workers:
     """``num_workers`` worker processes, their queues, and the trainer's ends of their rings.
 
@@ -299,9 +356,7 @@ class _Workers:
     """
 
     def __init__(self, loader: SlotLoader, allocator: Any) -> None:
-        from ._context import get_context
-
-        ctx = get_context()
+        ctx = worker_context(loader.multiprocessing_context)
         n = loader.num_workers
         self.n = n
         self.tasks = [ctx.Queue() for _ in range(n)]
@@ -468,7 +523,12 @@ class SlotLoader:
     slots are page-locked, so host-to-device copies of the batches are
     asynchronous (torch's ``pin_memory``). ``manager``: a started Manager
     to allocate the slots from (either owner mode); by default the loader
-    owns them itself, in this process.
+    owns them itself, in this process. ``multiprocessing_context`` starts
+    the workers: by default multiprocessing's forkserver (started once per
+    process, it imports torch and numpy once; each worker is then a fork of
+    it, made in milliseconds, which never saw CUDA); ``"spawn"`` starts a
+    fresh interpreter per worker (environment changes made after the
+    forkserver started reach spawned workers only).
 
     Close the loader (``close()``, or ``with SlotLoader(...) as loader:``)
     to stop persistent workers at once; dropping it does the same. Its
@@ -496,6 +556,7 @@ class SlotLoader:
         persistent_workers: bool = False,
         pin_memory: bool = False,
         manager: Any = None,
+        multiprocessing_context: Any = None,
     ) -> None:
         if not hasattr(dataset, "__getitem__"):
             raise TypeError(
@@ -531,6 +592,8 @@ class SlotLoader:
         self.persistent_workers = bool(persistent_workers)
         self.pin_memory = bool(pin_memory) and self.device == "cpu"
         self.manager = manager
+        self.multiprocessing_context = multiprocessing_context
+        worker_context(multiprocessing_context)  # a wrong name fails here, not in the first epoch
         self._resources: _Resources | None = None
         self._epochs: weakref.WeakSet[_Epoch] = weakref.WeakSet()
         self._first_batch: dict[str, float] | None = None  # the latest epoch's (see stats())

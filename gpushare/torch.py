@@ -228,7 +228,9 @@ class DataLoader(SlotLoader):
     so ``batch.cuda(non_blocking=True)`` is asynchronous; with a CUDA
     ``device`` batches are already on the GPU, and CPU samples reach it
     through page-locked staging in the workers), plus ``slots`` per worker,
-    ``slot_bytes``, ``device``, ``backend`` and ``manager`` as
+    ``slot_bytes``, ``device``, ``backend``, ``manager`` and
+    ``multiprocessing_context`` (default: workers forked from
+    multiprocessing's forkserver, which imported torch once) as
     :class:`gpushare.SlotLoader`.
     ``timeout=0`` waits forever. Batches are tensors on ``device`` viewing
     the slots; keep a copy (``tensor.clone()``) of what must outlive the
@@ -257,6 +259,7 @@ class DataLoader(SlotLoader):
         device: Any = None,
         backend: str | None = None,
         manager: Any = None,
+        multiprocessing_context: Any = None,
     ) -> None:
         from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
 
@@ -287,6 +290,7 @@ class DataLoader(SlotLoader):
             persistent_workers=persistent_workers,
             pin_memory=pin_memory,
             manager=manager,
+            multiprocessing_context=multiprocessing_context,
         )
         self.generator = generator
         self.worker_init_fn = worker_init_fn

@@ -724,7 +724,12 @@ def test_dataloader_gpu_samples_runs_its_grid_on_the_cpu(tmp_path: Path, monkeyp
     assert list(report["scenarios"]) == [dg.KEY, dg.FIRST_KEY]
     main, first = report["scenarios"][dg.KEY], report["scenarios"][dg.FIRST_KEY]
     assert main["rows"] == [per_epoch, persistent] and main["floor"] == [dg.KEY, dg.TORCH_LOADER]
-    first_rows = [per_epoch, f"{persistent}: epoch 0", f"{persistent}: later epochs"]
+    first_rows = [
+        f"{per_epoch}: first loader",
+        f"{per_epoch}: later loaders",
+        f"{persistent}: epoch 0",
+        f"{persistent}: later epochs",
+    ]
     assert first["rows"] == first_rows
     for name in dg.SYSTEMS:
         series = main["systems"][name]
@@ -732,7 +737,7 @@ def test_dataloader_gpu_samples_runs_its_grid_on_the_cpu(tmp_path: Path, monkeyp
         # chunks per epoch x epochs: 3 new loaders, 2 persistent epochs
         assert {row: cell["n"] for row, cell in series["cells"].items()} == {per_epoch: 6, persistent: 4}
         assert {row: cell["n"] for row, cell in first["systems"][name]["cells"].items()} == dict(
-            zip(first_rows, (3, 1, 1), strict=True)
+            zip(first_rows, (1, 2, 1, 1), strict=True)
         )
     for scenario in (main, first):
         for row, target in scenario["targets"].items():
@@ -747,7 +752,7 @@ def test_dataloader_gpu_samples_runs_its_grid_on_the_cpu(tmp_path: Path, monkeyp
     assert f"| {persistent}: later epochs |" in markdown
     # gpushare's first batch, step by step, from its loader's stats (worker 0 starting to the trainer)
     steps = [n for n in first["notes"] if n.startswith(f"{dg.GS_LOADER}, ")]
-    assert [n.split(", first batch")[0] for n in steps] == [f"{dg.GS_LOADER}, {r}" for r in first_rows[:2]]
+    assert [n.split(", first batch")[0] for n in steps] == [f"{dg.GS_LOADER}, {r}" for r in first_rows[::2]]
     assert all("spawned 0." in n and "ring_received" in n and n.rstrip(".").split()[-2] == "returned" for n in steps)
     assert steps[0] in markdown
 
@@ -803,7 +808,7 @@ def test_dataloader_cpu_samples_runs_on_the_cpu_and_a_wrong_batch_fails_the_cell
 ) -> None:
     """The scenario's plumbing with small images and no GPU (no pinning, no copies): both loaders over
     uint8 and float32 samples, their tables and targets; then a trainer that expects other values than
-    the workers make (its MODULUS changed: spawned workers keep the module's) fails the cell."""
+    the workers make (its MODULUS changed: workers import the module afresh) fails the cell."""
     pytest.importorskip("torch")
     from gpushare.bench.scenarios import dataloader_cpu as dc
 
@@ -814,6 +819,7 @@ def test_dataloader_cpu_samples_runs_on_the_cpu_and_a_wrong_batch_fails_the_cell
     monkeypatch.setattr(dc, "QUICK", dc.Counts(count=3, repeats=2, warmup=2))
     bench = _loader_bench(tmp_path, dc.KEY)
     rows = ["uint8, 1 workers", "float32, 1 workers"]
+    firsts = [r for row in rows for r in (row, f"{row}: another loader")]  # the cell's loader, then a second
     assert [(t.system, t.row) for t in bench.tasks] == [(system, row) for row in rows for system in dc.SYSTEMS]
     bench.run()
     cli.write_reports(bench, str(tmp_path))
@@ -823,9 +829,9 @@ def test_dataloader_cpu_samples_runs_on_the_cpu_and_a_wrong_batch_fails_the_cell
     for name in dc.SYSTEMS:
         assert main["systems"][name]["errors"] == {}, main["systems"][name]
         assert {row: cell["n"] for row, cell in main["systems"][name]["cells"].items()} == dict.fromkeys(rows, 2)
-        assert {row: cell["n"] for row, cell in first["systems"][name]["cells"].items()} == dict.fromkeys(rows, 1)
+        assert {row: cell["n"] for row, cell in first["systems"][name]["cells"].items()} == dict.fromkeys(firsts, 1)
     assert {row: t["limit"] for row, t in main["targets"].items()} == dict.fromkeys(rows, 0.833)
-    assert {row: t["limit"] for row, t in first["targets"].items()} == dict.fromkeys(rows, 1.0)
+    assert {row: t["limit"] for row, t in first["targets"].items()} == dict.fromkeys(firsts, 1.0)
     for row, target in main["targets"].items():
         ratio = (
             main["systems"][dc.GS_LOADER]["cells"][row]["median_us"]
@@ -845,7 +851,8 @@ def test_dataloader_cpu_samples_runs_on_the_cpu_and_a_wrong_batch_fails_the_cell
             dc.run_cell(system, "uint8", 1, dc.Counts(count=2, repeats=1, warmup=1))
     monkeypatch.setattr(dc, "VERIFY", 0)  # no batch compared whole: the trainer's count on every batch
     for system in dc.SYSTEMS:
-        with pytest.raises(dc.BenchError, match="delivered wrong batches: 12 values or labels differ"):
+        # 12 in the cell's two batches, 4 in the first batch of the loader made after it
+        with pytest.raises(dc.BenchError, match="delivered wrong batches: 16 values or labels differ"):
             dc.run_cell(system, "uint8", 1, dc.Counts(count=1, repeats=1, warmup=1))
 
 

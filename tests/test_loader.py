@@ -69,6 +69,16 @@ class WhoAmI:
         return int(os.environ["LOADER_TEST_WORKER"])
 
 
+class ParentOf:
+    """Sample i: the pid of the process the worker that built it was started from."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> int:
+        return os.getppid()
+
+
 def tag_worker(worker: int) -> None:
     os.environ["LOADER_TEST_WORKER"] = str(worker)
 
@@ -256,6 +266,32 @@ def test_stats_say_where_the_first_batch_spent_its_time() -> None:
         assert list(first.values()) == sorted(first.values()) and first["spawned"] >= 0, first
         assert len(list(data)) == 4  # the same workers again: their start-up is no part of this epoch
         assert list(data.stats()["first_batch_s"]) == ["returned"]
+
+
+def test_workers_fork_from_the_forkserver_unless_told_otherwise() -> None:
+    """By default workers are forked from multiprocessing's forkserver, which imports the worker's
+    module (and numpy, torch where the trainer has them) once and never the main script; the
+    forkserver outlives the loader, shared by the next ones. ``multiprocessing_context="spawn"``
+    starts them from this process; a wrong name fails when the loader is made."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver  # type: ignore[attr-defined]
+    server._stop()  # so that this test's first loader starts it
+    parents = []
+    for _ in range(2):
+        with mp.SlotLoader(ParentOf(), batch_size=4, num_workers=2, device="cpu", timeout=60) as data:
+            parents.append({p for batch in data for p in batch.numpy().tolist()})
+    pid = server._forkserver_pid
+    assert pid is not None and parents == [{pid}, {pid}]  # one forkserver for both loaders
+    preload = server._preload_modules
+    assert "gpushare._loader" in preload and "numpy" in preload and "__main__" not in preload, preload
+    with mp.SlotLoader(ParentOf(), batch_size=4, num_workers=2, device="cpu", timeout=60,
+                       multiprocessing_context="spawn") as data:  # fmt: skip
+        assert {p for batch in data for p in batch.numpy().tolist()} == {os.getpid()}
+    with pytest.raises(ValueError, match="cannot find context for 'threads'"):
+        mp.SlotLoader(ParentOf(), device="cpu", multiprocessing_context="threads")
+    with pytest.raises(ValueError, match="neither a start method's name nor a multiprocessing context"):
+        mp.SlotLoader(ParentOf(), device="cpu", multiprocessing_context=3)
 
 
 def test_pin_memory_without_a_gpu_warns_and_batches_stay_pageable() -> None:

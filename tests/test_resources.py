@@ -42,17 +42,33 @@ ROUNDS = 20
 # -- what a process holds ----------------------------------------------------------------
 
 
+def _services() -> set[int | None]:
+    """multiprocessing's own helpers, one per process and kept for its life: the resource
+    tracker, and the forkserver that loaders start their workers from (it is not any
+    owner's: every loader of the process shares it)."""
+    import multiprocessing.forkserver
+    import multiprocessing.resource_tracker
+
+    return {
+        getattr(multiprocessing.resource_tracker._resource_tracker, "_pid", None),
+        getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None),
+    }
+
+
 def _children() -> list[int]:
-    tracker = getattr(__import__("multiprocessing.resource_tracker").resource_tracker._resource_tracker, "_pid", None)
+    services = _services()
     pids = []
     for proc in mp.active_children():
-        if proc.pid != tracker:
+        if proc.pid not in services:
             pids.append(proc.pid)
-    try:  # children not started through multiprocessing (a Manager's server is one of its processes)
-        with open(f"/proc/{os.getpid()}/task/{os.getpid()}/children") as f:
-            pids += [int(p) for p in f.read().split() if int(p) != tracker]
-    except OSError:
-        pass
+    # Children not started through multiprocessing (a Manager's server is one of its
+    # processes), and the forkserver's children (loader workers forked from it) too.
+    for parent in (os.getpid(), *(pid for pid in services if pid is not None)):
+        try:
+            with open(f"/proc/{parent}/task/{parent}/children") as f:
+                pids += [int(p) for p in f.read().split() if int(p) not in services]
+        except OSError:
+            pass
     return sorted(set(pids))
 
 

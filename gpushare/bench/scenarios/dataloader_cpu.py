@@ -35,7 +35,16 @@ from typing import TYPE_CHECKING, Any
 from ..results import Check, Scenario, Table, _bind
 from ..settings import BenchError, MiB
 from ..stats import Target
-from .dataloader_gpu import add_pair, device_used, first_steps, loader_skip, note_steps, rate_table, settled_used
+from .dataloader_gpu import (
+    add_pair,
+    cold_start,
+    device_used,
+    first_steps,
+    loader_skip,
+    note_steps,
+    rate_table,
+    settled_used,
+)
 
 if TYPE_CHECKING:
     from ..runner import Bench
@@ -77,9 +86,11 @@ HOW = (
     f"{' and '.join(map(str, WORKERS))} workers, for a trainer on the GPU. torch's DataLoader with "
     "`pin_memory=True` (spawn workers, prefetch_factor 2) and `.cuda(non_blocking=True)` of images and labels in "
     f"the trainer, against {GS_LOADER}: its workers stack each batch into page-locked staging and copy it "
-    f"asynchronously into one of {SLOTS} GPU slots per worker, which the trainer views. Time to the first batch: "
+    f"asynchronously into one of {SLOTS} GPU slots per worker, which the trainer views; its workers are forked "
+    "from multiprocessing's forkserver (its default), stopped before each of its cells. Time to the first batch: "
     "from the loader's construction to `next()` (and the trainer's copy issued, for torch), with gpushare's "
-    "step by step in a note per cell (`loader.stats()['first_batch_s']`). Then "
+    "step by step in a note per cell (`loader.stats()['first_batch_s']`): the cell's loader (gpushare's starting "
+    "the forkserver cold), and another loader made after it (the forkserver running; torch's spawns again). Then "
     f"{FULL.warmup} warm-up batches, the first {VERIFY} compared whole with what the dataset made, and "
     f"{FULL.repeats} repeats of {FULL.count} batches timed whole ({QUICK.warmup}, {QUICK.repeats}, "
     f"{QUICK.count} with --quick), the device synchronized after each; on every batch the trainer queues a small "
@@ -114,13 +125,14 @@ def plan(bench: Bench) -> None:
         target_systems=[GS_LOADER],
         plot=False,
     )
+    firsts = [r for row in rows for r in (row, f"{row}: another loader")]
     first = Scenario(
         FIRST_KEY,
         f"DataLoader, {shape} images made on the CPU in the workers: time to the first batch",
         "cell",
-        rows,
+        firsts,
         floor=(FIRST_KEY, TORCH_LOADER),
-        targets={row: Target("ratio_max", 1.0) for row in rows},
+        targets={row: Target("ratio_max", 1.0) for row in firsts},
         target_systems=[GS_LOADER],
         plot=False,
     )
@@ -130,7 +142,10 @@ def plan(bench: Bench) -> None:
         f"batches/s = 1e6 / median us (listed in the table below). Target: {GS_LOADER}'s batches/s >= {SPEEDUP:g}x "
         f"{TORCH_LOADER}'s."
     )
-    first.notes.append("From the loader's construction to its first batch on the GPU (one per cell and round).")
+    first.notes.append(
+        "From the loader's construction to its first batch on the GPU (one per cell and round): the cell's loader "
+        "(gpushare's starts multiprocessing's forkserver, cold), then another loader made after it."
+    )
     skip = loader_skip(bench, DEVICE)
     if skip is not None:
         main.skipped = first.skipped = skip
@@ -187,6 +202,7 @@ def _make_loader(system: str, dataset: CpuImages, workers: int) -> Any:
 class CellRun:
     per_batch: list[int]  # ns per batch, one per timed repeat
     first: int  # ns from the loader's construction to its first batch
+    again: int  # the same for another loader made after the first was closed
     host_bytes: int | None  # page-locked host bytes (None off CUDA)
     host_how: str  # how host_bytes was had
     device_bytes: int | None  # device bytes in use at the end, less before (None off CUDA)
@@ -247,6 +263,8 @@ def run_cell(system: str, dtype: str, workers: int, counts: Counts) -> CellRun:
     loader: Any = None
     it: Any = None
     per_batch: list[int] = []
+    if system == GS_LOADER:
+        cold_start()
     try:
         t0 = clock()
         loader = _make_loader(system, dataset, workers)
@@ -300,10 +318,37 @@ def run_cell(system: str, dtype: str, workers: int, counts: Counts) -> CellRun:
         gc.collect()
     if seq != total_batches:
         raise BenchError(f"{system}: {seq} batches taken, {total_batches} planned")
+    seq = 0  # another loader: its first batch is batch 0 again, checked the same way
+    again = _first_again(system, dataset, workers, take)
     bad = int(errors.item())
     if bad:
         raise BenchError(f"{system} delivered wrong batches: {bad} values or labels differ from the dataset's")
-    return CellRun(per_batch, first, host_bytes, host_how, device_bytes, steps)
+    return CellRun(per_batch, first, again, host_bytes, host_how, device_bytes, steps)
+
+
+def _first_again(system: str, dataset: CpuImages, workers: int, take: Any) -> int:
+    """Construction to first batch of another loader, made after the cell's (see the module docstring)."""
+    clock = time.perf_counter_ns
+    loader: Any = None
+    it: Any = None
+    try:
+        t0 = clock()
+        loader = _make_loader(system, dataset, workers)
+        it = iter(loader)
+        images, _ = take(it)
+        elapsed = clock() - t0
+        del images
+    finally:
+        if it is not None:
+            close = getattr(it, "close", None) or getattr(it, "_shutdown_workers", None)
+            if close is not None:
+                close()
+        close = getattr(loader, "close", None)
+        if close is not None:
+            close()
+        it = loader = None
+        gc.collect()
+    return elapsed
 
 
 def measure(bench: Bench, system: str, dtype: str, workers: int, counts: Counts) -> list[int]:
@@ -311,6 +356,7 @@ def measure(bench: Bench, system: str, dtype: str, workers: int, counts: Counts)
     run = run_cell(system, dtype, workers, counts)
     row = row_label(dtype, workers)
     bench._pool(bench.scenarios[FIRST_KEY], system, row, [run.first])
+    bench._pool(bench.scenarios[FIRST_KEY], system, f"{row}: another loader", [run.again])
     note_steps(bench.scenarios[FIRST_KEY], system, row, run.steps)
     main = bench.scenarios[KEY]
     if run.host_bytes is not None or run.device_bytes is not None:

@@ -75,8 +75,8 @@ class Counts:
     persistent: int  # persistent cells: one loader, this many epochs
 
 
-FULL = Counts(per_epoch=2, flat=20, persistent=6)
-QUICK = Counts(per_epoch=1, flat=5, persistent=3)
+FULL = Counts(per_epoch=3, flat=20, persistent=6)
+QUICK = Counts(per_epoch=2, flat=5, persistent=3)
 
 HOW = (
     f"`{KEY}` (a GPU and torch only) runs {GS_LOADER} and torch's DataLoader over the same dataset in the same "
@@ -84,7 +84,9 @@ HOW = (
     f"batch; {' and '.join(map(str, WORKERS))} workers, batches of {' and '.join(map(_size_label, SIZES))}, "
     f"a new loader per epoch (a new torch DataLoader too) or one loader with `persistent_workers=True`. torch's: "
     f"spawn workers, its defaults otherwise (prefetch_factor 2), CUDA tensors through its CUDA IPC; gpushare's: "
-    f"{SLOTS} slots per worker, each batch stacked into a slot, viewed in place by the trainer. An epoch is "
+    f"{SLOTS} slots per worker, each batch stacked into a slot, viewed in place by the trainer, its workers forked "
+    "from multiprocessing's forkserver (its default), which is stopped before each of its cells: a cell's first "
+    "loader starts it and its imports, as a script's first loader does. An epoch is "
     f"{1 + CHUNKS * CHUNK} batches: its first, then {CHUNKS} chunks of {CHUNK} timed whole, the device "
     "synchronized after each; the trainer queues one small reduction per batch (no host sync) and checks the "
     f"sums at the end of the cell (a wrong batch fails it). Epochs per cell: {FULL.per_epoch} with a new loader "
@@ -92,7 +94,8 @@ HOW = (
     f"persistent ({QUICK.per_epoch}, {QUICK.flat} and {QUICK.persistent} with --quick). `{KEY}`: median time per "
     f"chunk / {CHUNK} (1e6 / it = batches/s), torch's as the floor; target: gpushare's <= torch's. "
     f"`{FIRST_KEY}`: from a new loader's construction (a persistent loader's later epochs: from `iter()`) until "
-    "`next()` returns the first batch; target <= torch's; a note per cell gives gpushare's first batch step by "
+    "`next()` returns the first batch, the first loader of a cell apart from the later ones (their median); "
+    "target <= torch's; a note per cell gives gpushare's first batch step by "
     "step (`loader.stats()['first_batch_s']`: worker 0 spawned, started, linked, its slots allocated, the "
     "trainer's receipt). Device memory: the device's used memory "
     "(`torch.cuda.mem_get_info` in the trainer: trainer and workers, contexts included) at the end of each "
@@ -117,7 +120,21 @@ def first_rows(workers: int, nbytes: int, mode: str) -> list[str]:
     row = row_label(workers, nbytes, mode)
     if mode == PERSISTENT:
         return [f"{row}: epoch 0", f"{row}: later epochs"]
-    return [row]
+    return [f"{row}: first loader", f"{row}: later loaders"]
+
+
+def cold_start() -> None:
+    """Stop multiprocessing's forkserver, if one runs: the next gpushare loader starts it again.
+
+    gpushare's loaders fork their workers from the forkserver, which imports torch once
+    and stays for the process's life. Each gpushare cell starts from none, so that its
+    first loader pays what a script's first loader pays; torch's spawned workers start
+    from nothing every time."""
+    from multiprocessing import forkserver
+
+    stop = getattr(getattr(forkserver, "_forkserver", None), "_stop", None)
+    if stop is not None:
+        stop()
 
 
 def epochs_of(counts: Counts, workers: int, nbytes: int, mode: str) -> int:
@@ -225,8 +242,9 @@ def plan(bench: Bench) -> None:
         "time per batch <= torch's (batches/s >= torch's)."
     )
     first.notes.append(
-        "New loader per epoch: from the loader's construction to its first batch, every epoch; persistent: epoch "
-        "0 from the construction, later epochs from `iter()` (their median)."
+        "New loader per epoch: from the loader's construction to its first batch, the cell's first loader (for "
+        "gpushare: the forkserver started cold) and the later ones (their median); persistent: epoch 0 from the "
+        "construction (cold), later epochs from `iter()` (their median)."
     )
     skip = loader_skip(bench, DEVICE)
     if skip is not None:
@@ -297,6 +315,8 @@ def run_cell(system: str, workers: int, nbytes: int, mode: str, epochs: int) -> 
     per_epoch = 1 + CHUNKS * CHUNK
     dataset = GpuSamples(BATCH * per_epoch, nbytes // BATCH // 4, DEVICE)
     persistent = mode == PERSISTENT
+    if system == GS_LOADER:
+        cold_start()
     base_used = settled_used(DEVICE)
     base_trainer = torch.cuda.memory_allocated() if cuda else 0
     total = torch.zeros((), dtype=torch.float64, device=DEVICE)  # exact for these sums
@@ -378,12 +398,9 @@ def measure(bench: Bench, system: str, workers: int, nbytes: int, mode: str, epo
     rows = first_rows(workers, nbytes, mode)
     first = bench.scenarios[FIRST_KEY]
     note_steps(first, system, rows[0], run.steps)
-    if mode == PERSISTENT:
-        bench._pool(first, system, rows[0], run.firsts[:1])
-        if run.firsts[1:]:
-            bench._pool(first, system, rows[1], run.firsts[1:])
-    else:
-        bench._pool(first, system, rows[0], run.firsts)
+    bench._pool(first, system, rows[0], run.firsts[:1])
+    if run.firsts[1:]:
+        bench._pool(first, system, rows[1], run.firsts[1:])
     if run.used:
         memory = bench.scenarios[KEY].details.setdefault("device_memory", {})
         memory.setdefault(row_label(workers, nbytes, mode), {})[system] = {
