@@ -297,24 +297,35 @@ def _stop_workers(procs: list[Any], tasks: list[Any], control: Any, stop: Any, r
 _PRELOAD = ("torch", "numpy", "gpushare.torch", "cuda.bindings.driver", "gpushare._cuda")
 
 
-def worker_context(choice: Any) -> Any:
-    """The gpushare context that starts a loader's workers (``multiprocessing_context``).
+def worker_context(choice: Any, gpu: bool = False) -> tuple[Any, bool]:
+    """The gpushare context that starts a loader's workers (``multiprocessing_context``), and
+    whether to start multiprocessing's forkserver once they are started.
 
     ``None``: the forkserver where the platform has one, else gpushare's default context.
     A worker forked from the forkserver skips the interpreter's start and the imports
     the forkserver made once (torch, for a dataset): each worker costs a fork instead
-    of a spawn, and a new loader per epoch starts its workers in milliseconds. The
-    forkserver never touches CUDA, so its children can. A name (``"spawn"``,
-    ``"forkserver"``) or a context (gpushare's or multiprocessing's) picks another;
-    ``"fork"`` is refused where CUDA is initialised (the workers could not use it).
+    of a spawn, and a new loader per epoch starts its workers in a fraction of a second.
+    The forkserver never touches CUDA, so its children can. Workers bound to a GPU
+    (``gpu``) make their CUDA context while they import, which a forked worker cannot
+    (its imports were made before): while no forkserver runs, those are spawned and the
+    forkserver starts beside them (it imports while they do), for the next epoch's
+    workers, so a first loader waits for no forkserver. A name (``"spawn"``,
+    ``"forkserver"``) or a context (gpushare's or multiprocessing's) picks the start
+    method itself.
     """
     import multiprocessing
 
     from ._context import get_context
 
     if choice is None:
-        method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else None
-    elif isinstance(choice, str):
+        if "forkserver" not in multiprocessing.get_all_start_methods():
+            return get_context(), False
+        ctx = get_context("forkserver")
+        if _forkserver_running():
+            return ctx, False
+        _preload_forkserver(ctx)
+        return (get_context("spawn"), True) if gpu else (ctx, False)
+    if isinstance(choice, str):
         method = choice
     else:
         get_method = getattr(choice, "get_start_method", None)
@@ -326,7 +337,28 @@ def worker_context(choice: Any) -> Any:
     ctx = get_context(method)
     if ctx.get_start_method() == "forkserver":
         _preload_forkserver(ctx)
-    return ctx
+    return ctx, False
+
+
+def _forkserver_running() -> bool:
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    return server is not None and getattr(server, "_forkserver_pid", None) is not None
+
+
+def _start_forkserver() -> None:
+    """Start multiprocessing's forkserver now (a few milliseconds here; it imports in its own process)."""
+    from multiprocessing import forkserver
+
+    try:
+        forkserver.ensure_running()
+    except Exception as e:  # the workers still start by spawn: slower, not wrong
+        import logging
+
+        logging.getLogger("gpushare").warning(
+            "gpushare: could not start multiprocessing's forkserver (%s); loader workers will spawn", e
+        )
 
 
 def _preload_forkserver(ctx: Any) -> None:
@@ -356,7 +388,7 @@ class _Workers:
     """
 
     def __init__(self, loader: SlotLoader, allocator: Any) -> None:
-        ctx = worker_context(loader.multiprocessing_context)
+        ctx, then_forkserver = worker_context(loader.multiprocessing_context, isinstance(loader.device, int))
         n = loader.num_workers
         self.n = n
         self.tasks = [ctx.Queue() for _ in range(n)]
@@ -393,6 +425,8 @@ class _Workers:
             self.timelines[k]["spawned"] = time.time()
             proc.start()
             self.procs.append(proc)
+        if then_forkserver:
+            _start_forkserver()  # for the next epoch's workers, while these start
 
     @property
     def alive(self) -> bool:
@@ -524,11 +558,12 @@ class SlotLoader:
     asynchronous (torch's ``pin_memory``). ``manager``: a started Manager
     to allocate the slots from (either owner mode); by default the loader
     owns them itself, in this process. ``multiprocessing_context`` starts
-    the workers: by default multiprocessing's forkserver (started once per
-    process, it imports torch and numpy once; each worker is then a fork of
-    it, made in milliseconds, which never saw CUDA); ``"spawn"`` starts a
-    fresh interpreter per worker (environment changes made after the
-    forkserver started reach spawned workers only).
+    the workers: by default they are forked from multiprocessing's
+    forkserver (started beside the process's first loader's workers, which
+    are spawned; it imports torch and numpy once and never sees CUDA, so
+    later loaders' and epochs' workers start in a fraction of a second);
+    ``"spawn"`` starts a fresh interpreter per worker (environment changes
+    made after the forkserver started reach spawned workers only).
 
     Close the loader (``close()``, or ``with SlotLoader(...) as loader:``)
     to stop persistent workers at once; dropping it does the same. Its
@@ -593,7 +628,8 @@ class SlotLoader:
         self.pin_memory = bool(pin_memory) and self.device == "cpu"
         self.manager = manager
         self.multiprocessing_context = multiprocessing_context
-        worker_context(multiprocessing_context)  # a wrong name fails here, not in the first epoch
+        if multiprocessing_context is not None:
+            worker_context(multiprocessing_context)  # a wrong name fails here, not in the first epoch
         self._resources: _Resources | None = None
         self._epochs: weakref.WeakSet[_Epoch] = weakref.WeakSet()
         self._first_batch: dict[str, float] | None = None  # the latest epoch's (see stats())

@@ -270,19 +270,26 @@ def test_stats_say_where_the_first_batch_spent_its_time() -> None:
 
 def test_workers_fork_from_the_forkserver_unless_told_otherwise() -> None:
     """By default workers are forked from multiprocessing's forkserver, which imports the worker's
-    module (and numpy, torch where the trainer has them) once and never the main script; the
-    forkserver outlives the loader, shared by the next ones. ``multiprocessing_context="spawn"``
-    starts them from this process; a wrong name fails when the loader is made."""
+    module (and numpy, torch where the trainer has them) once and never the main script; it outlives
+    the loader, shared by the next ones. Workers bound to a GPU are spawned while none runs (they make
+    their context while they import) and the forkserver starts beside them. ``multiprocessing_context
+    ="spawn"`` starts them from this process; a wrong name fails when the loader is made."""
     from multiprocessing import forkserver
+
+    from gpushare._loader import worker_context
 
     server = forkserver._forkserver  # type: ignore[attr-defined]
     server._stop()  # so that this test's first loader starts it
+    ctx, then_forkserver = worker_context(None, gpu=True)
+    assert ctx.get_start_method() == "spawn" and then_forkserver  # no forkserver yet: spawn, start one
     parents = []
     for _ in range(2):
         with mp.SlotLoader(ParentOf(), batch_size=4, num_workers=2, device="cpu", timeout=60) as data:
             parents.append({p for batch in data for p in batch.numpy().tolist()})
     pid = server._forkserver_pid
     assert pid is not None and parents == [{pid}, {pid}]  # one forkserver for both loaders
+    ctx, then_forkserver = worker_context(None, gpu=True)
+    assert ctx.get_start_method() == "forkserver" and not then_forkserver  # running: GPU workers fork too
     preload = server._preload_modules
     assert "gpushare._loader" in preload and "numpy" in preload and "__main__" not in preload, preload
     with mp.SlotLoader(ParentOf(), batch_size=4, num_workers=2, device="cpu", timeout=60,

@@ -87,10 +87,12 @@ HOW = (
     "`pin_memory=True` (spawn workers, prefetch_factor 2) and `.cuda(non_blocking=True)` of images and labels in "
     f"the trainer, against {GS_LOADER}: its workers stack each batch into page-locked staging and copy it "
     f"asynchronously into one of {SLOTS} GPU slots per worker, which the trainer views; its workers are forked "
-    "from multiprocessing's forkserver (its default), stopped before each of its cells. Time to the first batch: "
+    "from multiprocessing's forkserver (its default), stopped before each of its cells (a first loader spawns its "
+    "workers and starts the forkserver beside them). Time to the first batch: "
     "from the loader's construction to `next()` (and the trainer's copy issued, for torch), with gpushare's "
-    "step by step in a note per cell (`loader.stats()['first_batch_s']`): the cell's loader (gpushare's starting "
-    "the forkserver cold), and another loader made after it (the forkserver running; torch's spawns again). Then "
+    "step by step in a note per cell (`loader.stats()['first_batch_s']`): the cell's loader (gpushare's spawning "
+    "its workers and starting the forkserver), and another loader made after it (gpushare's forked from the "
+    "forkserver; torch's spawned again). Then "
     f"{FULL.warmup} warm-up batches, the first {VERIFY} compared whole with what the dataset made, and "
     f"{FULL.repeats} repeats of {FULL.count} batches timed whole ({QUICK.warmup}, {QUICK.repeats}, "
     f"{QUICK.count} with --quick), the device synchronized after each; on every batch the trainer queues a small "
@@ -144,7 +146,8 @@ def plan(bench: Bench) -> None:
     )
     first.notes.append(
         "From the loader's construction to its first batch on the GPU (one per cell and round): the cell's loader "
-        "(gpushare's starts multiprocessing's forkserver, cold), then another loader made after it."
+        "(gpushare's spawns its workers and starts multiprocessing's forkserver), then another loader made after it "
+        "(gpushare's forked from that forkserver)."
     )
     skip = loader_skip(bench, DEVICE)
     if skip is not None:
