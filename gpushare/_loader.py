@@ -308,8 +308,8 @@ def worker_context(choice: Any, gpu: bool = False) -> tuple[Any, bool]:
     The forkserver never touches CUDA, so its children can. Workers bound to a GPU
     (``gpu``) make their CUDA context while they import, which a forked worker cannot
     (its imports were made before): while no forkserver runs, those are spawned and the
-    forkserver starts beside them (it imports while they do), for the next epoch's
-    workers, so a first loader waits for no forkserver. A name (``"spawn"``,
+    forkserver starts once their first batch is in, for the next epoch's workers, so a
+    first loader waits for no forkserver. A name (``"spawn"``,
     ``"forkserver"``) or a context (gpushare's or multiprocessing's) picks the start
     method itself.
     """
@@ -425,8 +425,9 @@ class _Workers:
             self.timelines[k]["spawned"] = time.time()
             proc.start()
             self.procs.append(proc)
-        if then_forkserver:
-            _start_forkserver()  # for the next epoch's workers, while these start
+        # Spawned while no forkserver runs: start one once this epoch's first batch is in (not
+        # beside the workers' own imports, which it would slow), for the next epochs' workers.
+        self.then_forkserver = then_forkserver
 
     @property
     def alive(self) -> bool:
@@ -559,9 +560,9 @@ class SlotLoader:
     to allocate the slots from (either owner mode); by default the loader
     owns them itself, in this process. ``multiprocessing_context`` starts
     the workers: by default they are forked from multiprocessing's
-    forkserver (started beside the process's first loader's workers, which
-    are spawned; it imports torch and numpy once and never sees CUDA, so
-    later loaders' and epochs' workers start in a fraction of a second);
+    forkserver (it imports torch and numpy once and never sees CUDA, so a
+    loader's workers start in a fraction of a second; while none runs, GPU
+    workers are spawned and it starts after their first batch);
     ``"spawn"`` starts a fresh interpreter per worker (environment changes
     made after the forkserver started reach spawned workers only).
 
@@ -800,6 +801,9 @@ class _Epoch:
         batch = build(payload, item, (self._house, item), self._loader._convert)
         if seq == 0:
             self._loader._first_batch = self._timeline(time.time())
+            if self.workers.then_forkserver:
+                self.workers.then_forkserver = False
+                _start_forkserver()
         return batch
 
     def _timeline(self, returned: float) -> dict[str, float]:

@@ -272,7 +272,7 @@ def test_workers_fork_from_the_forkserver_unless_told_otherwise() -> None:
     """By default workers are forked from multiprocessing's forkserver, which imports the worker's
     module (and numpy, torch where the trainer has them) once and never the main script; it outlives
     the loader, shared by the next ones. Workers bound to a GPU are spawned while none runs (they make
-    their context while they import) and the forkserver starts beside them. ``multiprocessing_context
+    their context while they import) and the forkserver starts after their first batch. ``multiprocessing_context
     ="spawn"`` starts them from this process; a wrong name fails when the loader is made."""
     from multiprocessing import forkserver
 
@@ -327,6 +327,23 @@ def test_pin_memory_page_locks_the_host_slots() -> None:
     assert seen == [(0, "host"), (4, "host"), (8, "host"), (12, "host")], seen
     assert data.stats()["pinned"]
     data.close()
+
+
+@pytest.mark.gpu
+def test_a_first_gpu_loader_spawns_and_later_ones_fork() -> None:
+    """With no forkserver running, a loader whose workers are bound to a GPU spawns them (they make
+    their context while they import) and starts the forkserver once its first batch is in; the next
+    loader's workers are forked from it and still make their contexts."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver  # type: ignore[attr-defined]
+    server._stop()
+    parents = []
+    for _ in range(2):
+        with mp.SlotLoader(ParentOf(), batch_size=4, num_workers=2, device=0, timeout=120) as data:
+            parents.append({p for batch in data for p in batch.numpy().tolist()})
+    assert server._forkserver_pid is not None
+    assert parents == [{os.getpid()}, {server._forkserver_pid}], parents
 
 
 def _memory_type(ptr: int) -> tuple[int, str]:

@@ -88,7 +88,7 @@ HOW = (
     f"the trainer, against {GS_LOADER}: its workers stack each batch into page-locked staging and copy it "
     f"asynchronously into one of {SLOTS} GPU slots per worker, which the trainer views; its workers are forked "
     "from multiprocessing's forkserver (its default), stopped before each of its cells (a first loader spawns its "
-    "workers and starts the forkserver beside them). Time to the first batch: "
+    "workers and starts the forkserver after its first batch). Time to the first batch: "
     "from the loader's construction to `next()` (and the trainer's copy issued, for torch), with gpushare's "
     "step by step in a note per cell (`loader.stats()['first_batch_s']`): the cell's loader (gpushare's spawning "
     "its workers and starting the forkserver), and another loader made after it (gpushare's forked from the "

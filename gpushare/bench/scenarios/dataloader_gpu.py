@@ -86,7 +86,8 @@ HOW = (
     f"spawn workers, its defaults otherwise (prefetch_factor 2), CUDA tensors through its CUDA IPC; gpushare's: "
     f"{SLOTS} slots per worker, each batch stacked into a slot, viewed in place by the trainer, its workers forked "
     "from multiprocessing's forkserver (its default), which is stopped before each of its cells: a cell's first "
-    "loader spawns its workers and starts the forkserver beside them, as a script's first loader does. An epoch is "
+    "loader spawns its workers and starts the forkserver after its first batch, as a script's first loader does. "
+    "An epoch is "
     f"{1 + CHUNKS * CHUNK} batches: its first, then {CHUNKS} chunks of {CHUNK} timed whole, the device "
     "synchronized after each; the trainer queues one small reduction per batch (no host sync) and checks the "
     f"sums at the end of the cell (a wrong batch fails it). Epochs per cell: {FULL.per_epoch} with a new loader "
@@ -243,7 +244,7 @@ def plan(bench: Bench) -> None:
     )
     first.notes.append(
         "New loader per epoch: from the loader's construction to its first batch, the cell's first loader (for "
-        "gpushare: spawned workers, the forkserver starting beside them) and the later ones (forked; their "
+        "gpushare: spawned workers, the forkserver started after its first batch) and the later ones (forked; their "
         "median); persistent: epoch 0 from the construction, later epochs from `iter()` (their median)."
     )
     skip = loader_skip(bench, DEVICE)
