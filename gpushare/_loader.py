@@ -13,7 +13,11 @@ in its own memory: it maps nothing and opens no handle.
 The data flow, per epoch (one ``iter(loader)``):
 
 * The trainer starts ``num_workers`` gpushare Processes at once (with
-  ``persistent_workers=True``, only for the first epoch) and sends each a
+  ``persistent_workers=True``, only for the first epoch): forks of
+  multiprocessing's forkserver, which imported the worker's module, numpy
+  and torch once and never initialises CUDA (:func:`worker_context`; GPU
+  workers are spawned while no forkserver runs, and it starts after their
+  first batch). It sends each a
   *task* per batch, ``(epoch, sequence, indices)`` on that worker's queue,
   round robin (batch ``s`` goes to worker ``s % num_workers``), at most
   ``prefetch`` ahead per worker. On a GPU it readies its own CUDA context on

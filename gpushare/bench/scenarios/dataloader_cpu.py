@@ -310,13 +310,7 @@ def run_cell(system: str, dtype: str, workers: int, counts: Counts) -> CellRun:
                 host_bytes = workers * PREFETCH * batch_bytes(dtype)
                 host_how = f"estimate: workers x {PREFETCH} x batch bytes"
     finally:
-        if it is not None:
-            close = getattr(it, "close", None) or getattr(it, "_shutdown_workers", None)
-            if close is not None:
-                close()
-        close = getattr(loader, "close", None)
-        if close is not None:
-            close()
+        _stop(it, loader)
         it = loader = None
         gc.collect()
     if seq != total_batches:
@@ -327,6 +321,17 @@ def run_cell(system: str, dtype: str, workers: int, counts: Counts) -> CellRun:
     if bad:
         raise BenchError(f"{system} delivered wrong batches: {bad} values or labels differ from the dataset's")
     return CellRun(per_batch, first, again, host_bytes, host_how, device_bytes, steps)
+
+
+def _stop(it: Any, loader: Any) -> None:
+    """Stop a loader's workers: its iterator's (torch's) and the loader's own (gpushare's)."""
+    if it is not None:
+        close = getattr(it, "close", None) or getattr(it, "_shutdown_workers", None)
+        if close is not None:
+            close()
+    close = getattr(loader, "close", None)
+    if close is not None:
+        close()
 
 
 def _first_again(system: str, dataset: CpuImages, workers: int, take: Any) -> int:
@@ -342,13 +347,7 @@ def _first_again(system: str, dataset: CpuImages, workers: int, take: Any) -> in
         elapsed = clock() - t0
         del images
     finally:
-        if it is not None:
-            close = getattr(it, "close", None) or getattr(it, "_shutdown_workers", None)
-            if close is not None:
-                close()
-        close = getattr(loader, "close", None)
-        if close is not None:
-            close()
+        _stop(it, loader)
         it = loader = None
         gc.collect()
     return elapsed
