@@ -393,6 +393,9 @@ class _Workers:
 
     def __init__(self, loader: SlotLoader, allocator: Any) -> None:
         ctx, then_forkserver = worker_context(loader.multiprocessing_context, isinstance(loader.device, int))
+        # Spawned while no forkserver runs: start one once this epoch's first batch is in (not
+        # beside the workers' own imports, which it would slow), for the next epochs' workers.
+        self.then_forkserver = then_forkserver
         n = loader.num_workers
         self.n = n
         self.tasks = [ctx.Queue() for _ in range(n)]
@@ -429,9 +432,6 @@ class _Workers:
             self.timelines[k]["spawned"] = time.time()
             proc.start()
             self.procs.append(proc)
-        # Spawned while no forkserver runs: start one once this epoch's first batch is in (not
-        # beside the workers' own imports, which it would slow), for the next epochs' workers.
-        self.then_forkserver = then_forkserver
 
     @property
     def alive(self) -> bool:
