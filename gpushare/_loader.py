@@ -15,7 +15,7 @@ The data flow, per epoch (one ``iter(loader)``):
 * The trainer starts ``num_workers`` gpushare Processes at once (with
   ``persistent_workers=True``, only for the first epoch): forks of
   multiprocessing's forkserver, which imported the worker's module, numpy
-  and torch once and never initialises CUDA (:func:`worker_context`; GPU
+  and torch once and never initialises CUDA (:mod:`gpushare._loader_workers`; GPU
   workers are spawned while no forkserver runs, and it starts after their
   first batch). It sends each a
   *task* per batch, ``(epoch, sequence, indices)`` on that worker's queue,
@@ -73,168 +73,22 @@ from __future__ import annotations
 
 import atexit
 import gc
-import os
 import queue
 import threading
 import time
 import weakref
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
 
 from . import _backends
-from ._authsocket import process_alive
-from ._batch import SlotArray, SlotWriter, Staging, align, build, default_collate, exception_payload, rebuild_exception
+from ._batch import SlotArray, SlotWriter, Staging, build, default_collate, rebuild_exception
 from ._buffer import Buffer
 from ._errors import LoaderError, OwnerGoneError, RingClosedError, WaitTimeoutError
+from ._loader_workers import POLL, Workers, current_dataset, start_forkserver, worker_context
 
 __all__ = ["SlotLoader", "current_dataset"]
-
-POLL = 0.5  # seconds between liveness checks while waiting
-JOIN_TIMEOUT = 5.0  # seconds a finishing epoch waits for each worker before terminating it
-
-
-# ---------------------------------------------------------------------------
-# The worker process
-# ---------------------------------------------------------------------------
-
-
-_current: list[Any] = [None]  # in a worker: its dataset (for adapters' worker info)
-
-
-def current_dataset() -> Any:
-    """In a loader worker, the worker's copy of the dataset; None elsewhere."""
-    return _current[0]
-
-
-def _fetch(dataset: Any, indices: list[Any]) -> list[Any]:
-    getitems = getattr(dataset, "__getitems__", None)
-    if getitems is not None:
-        return list(getitems(indices))
-    return [dataset[i] for i in indices]
-
-
-def _worker_main(worker: int, allocator: Any, dataset: Any, collate: Any, tasks: Any, control: Any, stop: Any,
-                 epoch_now: Any, options: dict[str, Any]) -> None:  # fmt: skip
-    """A loader worker: build each task's batch into a slot of its ring (see the module docstring)."""
-    from ._fanout import create_ring
-
-    parent = options["parent"]
-    device, backend, slots = options["device"], options["backend"], options["slots"]
-    marks = {"started": time.time()}  # this worker's first-batch timeline, sent with its ring
-
-    def going() -> bool:
-        return not stop.is_set() and process_alive(parent)
-
-    def mark(name: str) -> None:
-        marks[name] = time.time()
-
-    def ring_for(slot_bytes: int) -> Any:
-        if isinstance(device, int):
-            from . import _cuda
-
-            _cuda.make_current(device)  # the context the slots need (started before unpickling)
-            mark("context")
-        made = create_ring(allocator, (slot_bytes,), "uint8", device, slots=slots, backend=backend)
-        mark("ring")
-        control.put(("ring", worker, made, dict(marks)))
-        return made
-
-    try:
-        allocator.link()  # connect to the trainer's Owner now, not with the first slot
-        mark("linked")
-        _current[0] = dataset
-        if options["worker_init"] is not None:
-            options["worker_init"](worker)
-        ring = None
-        if options["slot_bytes"]:
-            ring = ring_for(options["slot_bytes"])
-    except BaseException as exc:
-        control.put(("fatal", worker, *exception_payload(exc, worker, -1)))
-        return
-    staging = Staging(device) if isinstance(device, int) else None
-
-    def acquire() -> Buffer | None:
-        assert ring is not None
-        while going():
-            try:
-                return ring.acquire(timeout=POLL)
-            except WaitTimeoutError:
-                continue
-        return None
-
-    while going():
-        try:
-            task = tasks.get(timeout=POLL)
-        except queue.Empty:
-            continue
-        except (OwnerGoneError, EOFError, OSError):
-            break
-        if task is None:
-            break
-        epoch, seq, indices = task
-        slot = writer = None
-        meta: Any
-        try:
-            if epoch < epoch_now.value:  # an epoch left early: the trainer drops it anyway
-                meta = ("skip", epoch, seq, None)
-                if ring is None:
-                    control.put(("skip", worker, epoch, seq))
-                    continue
-                slot = acquire()
-                if slot is None:
-                    break
-            else:
-                samples = _fetch(dataset, indices)
-                if ring is None:  # first batch: lay it out in scratch buffers, size the slots from it
-                    mark("fetched")
-                    writer = SlotWriter(allocator, None, device, backend)
-                    meta = ("batch", epoch, seq, writer.layout(collate(samples, writer)))
-                    writer.finish()
-                    mark("collated")
-                    ring = ring_for(max(1, align(writer.used)))
-                    slot = acquire()
-                    if slot is None:
-                        break
-                    writer.move_into(slot)
-                else:
-                    slot = acquire()
-                    if slot is None:
-                        break
-                    writer = SlotWriter(allocator, slot, device, backend, staging)
-                    meta = ("batch", epoch, seq, writer.layout(collate(samples, writer)))
-                    writer.finish()
-        except Exception as exc:
-            payload = exception_payload(exc, worker, seq)
-            if writer is not None:
-                writer.clear()
-                writer = None
-            if ring is None:
-                control.put(("error", worker, epoch, seq, payload))
-                continue
-            meta = ("error", epoch, seq, payload)
-            if slot is None:
-                slot = acquire()
-                if slot is None:
-                    break
-        if writer is not None:
-            writer.clear()
-        while going():
-            try:
-                ring.publish(slot, meta=meta, timeout=POLL)
-                break
-            except WaitTimeoutError:  # the trainer has not registered yet
-                continue
-            except RingClosedError:
-                return
-        slot = None
-    if ring is not None:
-        ring.close()
-    if staging is not None:
-        staging.close()
-
 
 # ---------------------------------------------------------------------------
 # The trainer side
@@ -263,182 +117,6 @@ def _positive(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}={value!r} must be an int >= 1")
     return value
-
-
-def _stop_workers(procs: list[Any], tasks: list[Any], control: Any, stop: Any, rings: list[Any],
-                  stash: list[Any]) -> None:  # fmt: skip
-    """Stop a set of workers: stop them, join them (terminating stragglers), then leave their rings."""
-    stop.set()
-    for q in tasks:
-        try:
-            q.put(None)
-        except (ValueError, OSError, AssertionError):
-            pass
-    # Workers first, rings after: leaving a ring frees the slots this process holds, and a
-    # worker still running could then rewrite a batch the trainer keeps. A worker waiting
-    # for a slot polls the stop event, so it needs no wake-up.
-    for proc in procs:
-        proc.join(JOIN_TIMEOUT)
-        if proc.is_alive():
-            proc.terminate()
-            proc.join(JOIN_TIMEOUT)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(JOIN_TIMEOUT)
-    stashed = [message[2] for messages in stash for message in messages if message[0] == "ring"]
-    for ring in (*rings, *stashed):  # a ring read ahead of its turn is registered too
-        if ring is not None:
-            ring.close()
-    for q in (*tasks, control):
-        q.cancel_join_thread()
-        q.close()
-
-
-# What a forkserver imports once, before it forks any worker: the worker's own module and,
-# when the trainer has them, the heavy imports of datasets and of a worker bound to a GPU.
-# None of them initialises CUDA on import (cuInit runs on first use), so the forked
-# workers can still make their own contexts.
-_PRELOAD = ("torch", "numpy", "gpushare.torch", "cuda.bindings.driver", "gpushare._cuda")
-
-
-def worker_context(choice: Any, gpu: bool = False) -> tuple[Any, bool]:
-    """The gpushare context that starts a loader's workers (``multiprocessing_context``), and
-    whether to start multiprocessing's forkserver once they are started.
-
-    ``None``: the forkserver where the platform has one, else gpushare's default context.
-    A worker forked from the forkserver skips the interpreter's start and the imports
-    the forkserver made once (torch, for a dataset): each worker costs a fork instead
-    of a spawn, and a new loader per epoch starts its workers in a fraction of a second.
-    The forkserver never touches CUDA, so its children can. Workers bound to a GPU
-    (``gpu``) make their CUDA context while they import, which a forked worker cannot
-    (its imports were made before): while no forkserver runs, those are spawned and the
-    forkserver starts once their first batch is in, for the next epoch's workers, so a
-    first loader waits for no forkserver. A name (``"spawn"``,
-    ``"forkserver"``) or a context (gpushare's or multiprocessing's) picks the start
-    method itself.
-    """
-    import multiprocessing
-
-    from ._context import get_context
-
-    if choice is None:
-        if "forkserver" not in multiprocessing.get_all_start_methods():
-            return get_context(), False
-        ctx = get_context("forkserver")
-        if _forkserver_running():
-            return ctx, False
-        _preload_forkserver(ctx)
-        return (get_context("spawn"), True) if gpu else (ctx, False)
-    if isinstance(choice, str):
-        method = choice
-    else:
-        get_method = getattr(choice, "get_start_method", None)
-        if get_method is None:
-            raise ValueError(
-                f"multiprocessing_context={choice!r} is neither a start method's name nor a multiprocessing context"
-            )
-        method = get_method()
-    ctx = get_context(method)
-    if ctx.get_start_method() == "forkserver":
-        _preload_forkserver(ctx)
-    return ctx, False
-
-
-def _forkserver_running() -> bool:
-    from multiprocessing import forkserver
-
-    server = getattr(forkserver, "_forkserver", None)
-    return server is not None and getattr(server, "_forkserver_pid", None) is not None
-
-
-def _start_forkserver() -> None:
-    """Start multiprocessing's forkserver now (a few milliseconds here; it imports in its own process)."""
-    from multiprocessing import forkserver
-
-    try:
-        forkserver.ensure_running()
-    except Exception as e:  # the workers still start by spawn: slower, not wrong
-        import logging
-
-        logging.getLogger("gpushare").warning(
-            "gpushare: could not start multiprocessing's forkserver (%s); loader workers will spawn", e
-        )
-
-
-def _preload_forkserver(ctx: Any) -> None:
-    """Before the forkserver starts, name what it imports once for every worker it forks."""
-    import sys
-    from multiprocessing import forkserver
-
-    server = getattr(forkserver, "_forkserver", None)
-    if server is None or getattr(server, "_forkserver_pid", None) is not None:
-        return  # already running: its imports are the ones it was started with
-    wanted = [__name__] + [name for name in _PRELOAD if name in sys.modules]
-    have = list(getattr(server, "_preload_modules", ()) or ())
-    if have == ["__main__"]:
-        # multiprocessing's default: run the main script in the forkserver. Not here: a script
-        # that touches CUDA at module level would leave every forked worker without CUDA; each
-        # worker imports it after the fork instead, as a spawned one does.
-        have = []
-    ctx.set_forkserver_preload(have + [name for name in wanted if name not in have])
-
-
-class _Workers:
-    """``num_workers`` worker processes, their queues, and the trainer's ends of their rings.
-
-    For one epoch, or (``persistent_workers=True``) for the loader's life. ``sent``
-    and ``taken`` count tasks and answers per worker over every epoch, so that an
-    epoch can drop what an earlier one left in flight.
-    """
-
-    def __init__(self, loader: SlotLoader, allocator: Any) -> None:
-        ctx, then_forkserver = worker_context(loader.multiprocessing_context, isinstance(loader.device, int))
-        # Spawned while no forkserver runs: start one once this epoch's first batch is in (not
-        # beside the workers' own imports, which it would slow), for the next epochs' workers.
-        self.then_forkserver = then_forkserver
-        n = loader.num_workers
-        self.n = n
-        self.tasks = [ctx.Queue() for _ in range(n)]
-        self.control = ctx.Queue()
-        self.stop = ctx.Event()
-        self.epoch_now = ctx.Value("q", 0, lock=False)  # the epoch workers build batches for
-        self.rings: list[Any] = [None] * n
-        self.stash: list[deque[tuple[Any, ...]]] = [deque() for _ in range(n)]
-        self.procs: list[Any] = []
-        self.sent = [0] * n
-        self.taken = [0] * n
-        self.broken = False  # a worker died: a persistent loader starts new workers next epoch
-        self.timelines: list[dict[str, float]] = [{} for _ in range(n)]  # per worker: its start-up marks
-        self._finalizer = weakref.finalize(
-            self, _stop_workers, self.procs, self.tasks, self.control, self.stop, self.rings, self.stash
-        )
-        options = {
-            "parent": os.getpid(),
-            "device": loader.device,
-            "backend": loader.backend,
-            "slots": loader.slots,
-            "slot_bytes": loader.slot_bytes,
-            "worker_init": loader.worker_init,
-        }
-        for k in range(n):
-            proc = ctx.Process(
-                target=_worker_main,
-                args=(k, allocator, loader.dataset, loader.collate, self.tasks[k], self.control, self.stop,
-                      self.epoch_now, options),
-                device=loader.device,
-                daemon=True,
-                name=f"gpushare-loader-{k}",
-            )  # fmt: skip
-            self.timelines[k]["spawned"] = time.time()
-            proc.start()
-            self.procs.append(proc)
-
-    @property
-    def alive(self) -> bool:
-        return self._finalizer.alive and not self.broken
-
-    def close(self) -> None:
-        self._finalizer()
 
 
 def _release(owner: Any, workers: list[Any], pinned: list[tuple[int, int]]) -> None:
@@ -494,7 +172,7 @@ class _Resources:
             self.allocator = RemoteAllocator(self.owner.address, self.owner.token, loader.backend)
         else:
             self.allocator = loader.manager.allocator()
-        self.workers: list[_Workers] = []  # the persistent ones (none for per-epoch workers)
+        self.workers: list[Workers] = []  # the persistent ones (none for per-epoch workers)
         self.pinned: list[tuple[int, int]] = []  # host slots registered for pin_memory: (pointer, device)
         self._pinned_ptrs: set[int] = set()
         self._finalizer = weakref.finalize(self, _release, self.owner, self.workers, self.pinned)
@@ -719,7 +397,7 @@ class SlotLoader:
         )
 
 
-def _stop_all(workers: list[_Workers]) -> None:
+def _stop_all(workers: list[Workers]) -> None:
     for w in workers:
         w.close()
 
@@ -745,12 +423,12 @@ class _Epoch:
             house.workers[:] = pool
             self._fresh = not pool  # workers started for this epoch: their start-up is its first batch's
             if not pool:
-                house.workers.append(_Workers(loader, house.allocator))
+                house.workers.append(Workers(loader, house.allocator))
             self.workers = house.workers[0]
             self.workers.epoch_now.value += 1
         else:
             self._fresh = True
-            self.workers = _Workers(loader, house.allocator)
+            self.workers = Workers(loader, house.allocator)
         self._number = self.workers.epoch_now.value
         self._first: list[int] = list(self.workers.sent)  # per worker, the first task of this epoch
         self._closed = False
@@ -807,7 +485,7 @@ class _Epoch:
             self._loader._first_batch = self._timeline(time.time())
             if self.workers.then_forkserver:
                 self.workers.then_forkserver = False
-                _start_forkserver()
+                start_forkserver()
         return batch
 
     def _timeline(self, returned: float) -> dict[str, float]:

@@ -276,7 +276,7 @@ def test_workers_fork_from_the_forkserver_unless_told_otherwise() -> None:
     ="spawn"`` starts them from this process; a wrong name fails when the loader is made."""
     from multiprocessing import forkserver
 
-    from gpushare._loader import worker_context
+    from gpushare._loader_workers import worker_context
 
     server = forkserver._forkserver  # type: ignore[attr-defined]
     server._stop()  # so that this test's first loader starts it
@@ -291,7 +291,7 @@ def test_workers_fork_from_the_forkserver_unless_told_otherwise() -> None:
     ctx, then_forkserver = worker_context(None, gpu=True)
     assert ctx.get_start_method() == "forkserver" and not then_forkserver  # running: GPU workers fork too
     preload = server._preload_modules
-    assert "gpushare._loader" in preload and "numpy" in preload and "__main__" not in preload, preload
+    assert "gpushare._loader_workers" in preload and "numpy" in preload and "__main__" not in preload, preload
     with mp.SlotLoader(ParentOf(), batch_size=4, num_workers=2, device="cpu", timeout=60,
                        multiprocessing_context="spawn") as data:  # fmt: skip
         assert {p for batch in data for p in batch.numpy().tolist()} == {os.getpid()}

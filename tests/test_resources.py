@@ -25,6 +25,7 @@ import os
 import pickle
 import tempfile
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -99,6 +100,28 @@ def _back_to(baseline: dict[str, Any], device: int | str) -> Callable[[], bool]:
     return same
 
 
+def _earlier_tests_settled(timeout: float) -> None:
+    """Wait until loaders dropped by earlier tests in this process have stopped in the background
+    (their owners' shutdown threads, then those owners' own threads), so the baseline holds none of
+    it: otherwise it would end *above* what this test's rounds come back to."""
+
+    def no_shutdowns() -> bool:
+        gc.collect()
+        return not any(t.name == "gpushare-loader-shutdown" for t in threading.enumerate())
+
+    wait_until(no_shutdowns, timeout=timeout, interval=0.1)
+    names = sorted(t.name for t in threading.enumerate())
+
+    def steady() -> bool:
+        nonlocal names
+        time.sleep(0.3)
+        now = sorted(t.name for t in threading.enumerate())
+        same, names = now == names, now
+        return same
+
+    wait_until(steady, timeout=10, interval=0.0)
+
+
 def account(
     make_and_use: Callable[[bool], None], device: int | str, timeout: float = 30.0, rounds: int = ROUNDS
 ) -> None:
@@ -106,6 +129,7 @@ def account(
     everything must come back each time (within ``timeout``). One round first, not
     counted: what a process makes once and keeps (multiprocessing's resource tracker
     and its pipe, the CUDA context, a lazily loaded module's state) is not a leak."""
+    _earlier_tests_settled(timeout)
     before = _holdings(device)
     make_and_use(True)
 
