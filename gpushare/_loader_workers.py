@@ -31,15 +31,12 @@ import queue
 import time
 import weakref
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ._authsocket import process_alive
 from ._batch import SlotWriter, Staging, align, exception_payload
 from ._buffer import Buffer
 from ._errors import OwnerGoneError, RingClosedError, WaitTimeoutError
-
-if TYPE_CHECKING:
-    from ._loader import SlotLoader
 
 __all__ = ["JOIN_TIMEOUT", "POLL", "Workers", "current_dataset", "start_forkserver", "stop_workers", "worker_context"]
 
@@ -315,10 +312,11 @@ class Workers:
 
     For one epoch, or (``persistent_workers=True``) for the loader's life. ``sent``
     and ``taken`` count tasks and answers per worker over every epoch, so that an
-    epoch can drop what an earlier one left in flight.
+    epoch can drop what an earlier one left in flight. ``loader`` is the
+    :class:`~gpushare._loader.SlotLoader` (not imported here: it imports this module).
     """
 
-    def __init__(self, loader: SlotLoader, allocator: Any) -> None:
+    def __init__(self, loader: Any, allocator: Any) -> None:
         ctx, then_forkserver = worker_context(loader.multiprocessing_context, isinstance(loader.device, int))
         # Spawned while no forkserver runs: start one once this epoch's first batch is in (not
         # beside the workers' own imports, which it would slow), for the next epochs' workers.
