@@ -294,9 +294,11 @@ def _preload_forkserver(ctx: Any) -> None:
     import sys
     from multiprocessing import forkserver
 
+    if _forkserver_running():
+        return  # its imports are the ones it was started with
     server = getattr(forkserver, "_forkserver", None)
-    if server is None or getattr(server, "_forkserver_pid", None) is not None:
-        return  # already running: its imports are the ones it was started with
+    if server is None:
+        return
     wanted = [__name__] + [name for name in _PRELOAD if name in sys.modules]
     have = list(getattr(server, "_preload_modules", ()) or ())
     if have == ["__main__"]:
