@@ -228,7 +228,9 @@ class SlotWriter:
         backend: str | None,
         staging: Staging | None = None,
     ) -> None:
-        self._allocator = allocator  # anything with .empty(shape, dtype, device, backend=): scratch buffers
+        # Scratch buffers come from allocator.empty(shape, dtype, device, backend=, transient=True)
+        # (a RemoteAllocator): its Owner frees them once unused rather than pooling them.
+        self._allocator = allocator
         self._slot = slot  # None: the first batch, laid out in scratch buffers to size the slots
         self._limit = slot.nbytes if slot is not None else None
         self.device = device
@@ -249,7 +251,7 @@ class SlotWriter:
         offset = align(self.used)
         end = offset + math.prod(dims) * dt.itemsize
         if self._slot is None:
-            buf = self._allocator.empty(dims, dt, self.device, backend=self._backend)
+            buf = self._allocator.empty(dims, dt, self.device, backend=self._backend, transient=True)
         else:
             if self._limit is not None and end > self._limit:
                 raise LoaderError(

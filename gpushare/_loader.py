@@ -23,7 +23,7 @@ The data flow, per epoch (one ``iter(loader)``):
   ``prefetch`` ahead per worker. On a GPU it readies its own CUDA context on
   a thread meanwhile: the first slot a worker asks for needs it.
 * Each worker makes its own ring (``slots`` buffers of ``slot_bytes``
-  bytes) and sends it to the trainer on the control queue once; the trainer
+  bytes, windows of one allocation) and sends it to the trainer on the control queue once; the trainer
   unpickles it and so registers as its one consumer. For every task the
   worker fetches the samples, acquires a free slot, and ``collate`` writes
   the batch into it through a :class:`~gpushare._batch.SlotWriter` (samples
@@ -31,7 +31,9 @@ The data flow, per epoch (one ``iter(loader)``):
   asynchronous copy: see :mod:`gpushare._batch`). The worker publishes the
   slot with the batch's *layout* as the ring item's ``meta``. Without
   ``slot_bytes`` the first batch is built in scratch buffers, the ring is
-  sized from it (rounded up to 2 MiB), and the batch is copied into slot 0.
+  sized from it, and the batch is copied into slot 0; the scratch buffers are
+  *transient* allocations, which the Owner frees once unused instead of
+  pooling them (no later request asks for their sizes).
 * The trainer reads worker ``s % num_workers``'s ring for batch ``s``, so
   batches come in sampler order, and rebuilds the structure with a
   :class:`~gpushare._batch.SlotArray` per array, holding the ring item. The
@@ -140,15 +142,26 @@ def _release(owner: Any, workers: list[Any], pinned: list[tuple[int, int]]) -> N
         if _exiting:
             owner.shutdown(0.0)
         else:
-            threading.Thread(target=owner.shutdown, name="gpushare-loader-shutdown", daemon=True).start()
+            stopping = threading.Thread(target=owner.shutdown, name="gpushare-loader-shutdown", daemon=True)
+            _stopping.add(stopping)
+            stopping.start()
 
 
 _exiting = False
+_stopping: weakref.WeakSet[threading.Thread] = weakref.WeakSet()  # loader Owners shutting down on a thread
+EXIT_JOIN = 5.0  # at exit, how long the Owners already shutting down get to finish (all together)
 
 
 def _at_exit() -> None:
+    """Interpreter exit: later releases shut their Owners down at once, and the shutdowns
+    already running on a thread (a loader closed just before the script ended) get to
+    free what they hold, within ``EXIT_JOIN`` seconds: a daemon thread killed half-way
+    would leave host segments to the resource tracker, which warns of them as leaked."""
     global _exiting
     _exiting = True
+    deadline = time.monotonic() + EXIT_JOIN
+    for stopping in list(_stopping):
+        stopping.join(max(0.0, deadline - time.monotonic()))
 
 
 atexit.register(_at_exit)  # registered after weakref's own exit hook, so it runs before it
@@ -229,7 +242,8 @@ class SlotLoader:
     ``collate(samples, writer)`` builds a batch into the slot
     (:func:`default_collate` stacks arrays; see :class:`SlotWriter`).
     ``slots`` per worker bound the memory: ``num_workers * slots`` slots of
-    ``slot_bytes`` (default: the first batch's size, rounded up to 2 MiB).
+    ``slot_bytes`` (default: the first batch's size, rounded up to 256 bytes;
+    a worker's slots are one allocation, a slot every 64 KiB).
     ``device`` is where the slots live (a CUDA device, or ``"cpu"`` for
     host shared memory); workers are bound to it. ``worker_init(worker_id)``
     runs first in each worker. ``timeout`` bounds the wait for one batch

@@ -147,6 +147,7 @@ def _worker_main(worker: int, allocator: Any, dataset: Any, collate: Any, tasks:
                     if slot is None:
                         break
                     writer.move_into(slot)
+                    allocator.released_transient()  # the scratch memory is freed now, not pooled
                 else:
                     slot = acquire()
                     if slot is None:

@@ -96,8 +96,21 @@ class RemoteAllocator:
 
         return link_for(self.address, self.token)
 
-    def empty(self, shape: Any, dtype: Any = "float32", device: Any = None, *, backend: str | None = None) -> Buffer:
-        """An uninitialised buffer, allocated by the Owner for this process."""
+    def released_transient(self) -> None:
+        """Have the Owner read this process's releases now (a message, not a wait), so that
+        it frees the ``transient`` buffers just released at once."""
+        from ._lifetime import owner_for
+
+        if owner_for(self.token) is None:  # in the owner's own process, releases need no reading
+            self.link().recorder.nudge()
+
+    def empty(
+        self, shape: Any, dtype: Any = "float32", device: Any = None, *, backend: str | None = None,
+        transient: bool = False,
+    ) -> Buffer:  # fmt: skip
+        """An uninitialised buffer, allocated by the Owner for this process. ``transient``:
+        the Owner frees it once unused instead of pooling it for a later request of its
+        size (scratch memory of a size no later request asks for)."""
         from ._lifetime import owner_for
         from ._reduction import rebuild_buffer
 
@@ -108,13 +121,13 @@ class RemoteAllocator:
         if owner is not None:  # asked in the owner's own process: no request needed
             from ._buffer import Buffer
 
-            return Buffer(owner.allocate(chosen, nbytes, ordinal, label), 0, dims, dt)
+            return Buffer(owner.allocate(chosen, nbytes, ordinal, label, transient), 0, dims, dt)
         uuid = None
         if ordinal is not None:
             from . import _cuda
 
             uuid = _cuda.device_uuid(ordinal)
-        data = self.link().request("alloc", chosen.name, uuid, nbytes, label, dt.str, dims)
+        data = self.link().request("alloc", chosen.name, uuid, nbytes, label, dt.str, dims, transient)
         return rebuild_buffer(data)  # claims the lease the Owner took for this process
 
 

@@ -227,7 +227,9 @@ class DataLoader(SlotLoader):
     epochs; ``pin_memory`` page-locks the slots when ``device`` is the CPU,
     so ``batch.cuda(non_blocking=True)`` is asynchronous; with a CUDA
     ``device`` batches are already on the GPU, and CPU samples reach it
-    through page-locked staging in the workers), plus ``slots`` per worker,
+    through page-locked staging in the workers), plus ``slots`` per worker
+    (default ``prefetch_factor + 1``: the batches a worker builds ahead, as
+    torch's ``prefetch_factor`` (default 2), and the one the trainer holds),
     ``slot_bytes``, ``device``, ``backend``, ``manager`` and
     ``multiprocessing_context`` (default: workers forked from
     multiprocessing's forkserver, which imported torch once) as
@@ -254,7 +256,7 @@ class DataLoader(SlotLoader):
         prefetch_factor: int | None = None,
         persistent_workers: bool = False,
         pin_memory: bool = False,
-        slots: int = 4,
+        slots: int | None = None,
         slot_bytes: int | None = None,
         device: Any = None,
         backend: str | None = None,
@@ -276,6 +278,12 @@ class DataLoader(SlotLoader):
             batch_sampler = BatchSampler(sampler, batch_size, drop_last)
         if timeout < 0:
             raise ValueError(f"timeout={timeout!r} must be >= 0 (0 waits forever)")
+        if prefetch_factor is None:
+            prefetch_factor = 2  # torch's default with workers
+        elif isinstance(prefetch_factor, bool) or not isinstance(prefetch_factor, int) or prefetch_factor < 1:
+            raise ValueError(f"prefetch_factor={prefetch_factor!r} must be an int >= 1")
+        if slots is None:
+            slots = prefetch_factor + 1
         super().__init__(
             dataset,
             batch_sampler=batch_sampler,

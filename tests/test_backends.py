@@ -386,7 +386,9 @@ def test_buffer_on_second_gpu_used_by_worker_on_first(manager: mp.BufferManager,
 @pytest.mark.gpu
 def test_queries_keep_the_gil_and_agree_with_the_bindings() -> None:
     """``stream_idle`` and ``event_done`` answer through the GIL-keeping queries on the
-    driver cuda-bindings loaded, and give cuda-bindings' own answers, busy and idle."""
+    driver cuda-bindings loaded, and give cuda-bindings' own answers, busy and idle; an
+    event recorded through the GIL-keeping ``cuEventRecord`` orders like one recorded
+    through cuda-bindings."""
     from gpushare._cuda import _driver, _streams
 
     torch = require("torch")
@@ -399,9 +401,12 @@ def test_queries_keep_the_gil_and_agree_with_the_bindings() -> None:
             if busy:
                 fill_behind_a_running_kernel(torch, t, 1.0)
             _cuda.event_record(event, 0)  # behind the kernel when busy
+            key = _driver._primary_ints[0]
+            # The record itself went through the GIL-keeping call (it answers True only
+            # when the driver recorded); recorded again, behind the same kernel when busy.
+            assert queries.record(key, int(event), 0), "the GIL-keeping cuEventRecord did not record"
             if not busy:
                 torch.cuda.synchronize()  # the record itself done too
-            key = _driver._primary_ints[0]
             answers = {
                 "stream, kept": queries.done(key, queries.stream, 0),
                 "event, kept": queries.done(key, queries.event, int(event)),

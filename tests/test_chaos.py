@@ -332,7 +332,7 @@ class LifetimeMachine(RuleBasedStateMachine):
     def ring_open(self) -> None:
         self.produce("ring_open")
         self.ring = RingModel(self.epoch.number)
-        self.epoch.pool -= min(self.epoch.pool, SLOTS)
+        self.epoch.pool -= min(self.epoch.pool, 1)  # the slots are windows of one allocation
 
     @precondition(lambda self: self.ring is not None and any(n not in self.ring.members for n in self.consumers))
     @rule(pick=st.integers(0, 99))
@@ -377,7 +377,7 @@ class LifetimeMachine(RuleBasedStateMachine):
     def ring_close(self) -> None:
         self.produce("ring_close")
         self.drain_ring("RingClosedError")
-        self.epoch.pool += SLOTS  # every slot is free once each member has left
+        self.epoch.pool += 1  # the ring's allocation is free once each member has left
 
     def drain_ring(self, ending: str) -> None:
         assert self.ring is not None
@@ -474,13 +474,13 @@ class LifetimeMachine(RuleBasedStateMachine):
         ring = self.ring is not None and self.ring.epoch == e.number
         members = len(self.ring.members) if ring and self.ring else 0
         holds = sum(1 for c in self.consumers.values() for n, _ in c.held.values() if n == e.number)
-        leases = holds + members * SLOTS
+        leases = holds + members * SLOTS  # a member holds a lease per slot
         connected = sum(1 for c in self.consumers.values() if e.number in c.connected)
         if e.owner == "server":  # the producer's own buffers are leases too, and it is a consumer:
-            leases += len(e.keys) + (SLOTS if ring else 0)
+            leases += len(e.keys) + (1 if ring else 0)  # the ring's slots: windows of its one allocation
             connected += 1  # it asks the server's owner for stats over its link, so it is connected
 
-        live = len(e.values) + (SLOTS if ring else 0)
+        live = len(e.values) + (1 if ring else 0)
         return {
             "live_buffers": live,
             "pooled_buffers": e.pool,

@@ -1,6 +1,6 @@
 """The per-handoff queries that keep the GIL (``gpushare._cuda._queries._Queries``), without a GPU.
 
-A stand-in driver library, compiled here from C, exports the three symbols
+A stand-in driver library, compiled here from C, exports the four symbols
 with the driver's signatures; the tests load it the way ``_cuda`` loads
 ``libcuda.so.1`` and check the answers, that nothing is loaded that was not
 already, and that a call really keeps the GIL: a slow stand-in query must
@@ -41,6 +41,14 @@ int cuStreamQuery(void *stream) {
     return stream_result;
 }
 int cuEventQuery(void *event) { return (int)(long)event; }
+static void *recorded_event = 0, *recorded_stream = (void *)-1;
+int cuEventRecord(void *event, void *stream) {
+    if (event == 0) return 400;  /* CUDA_ERROR_INVALID_HANDLE */
+    recorded_event = event;
+    recorded_stream = stream;
+    return 0;
+}
+void *stub_recorded(int which) { return which ? recorded_stream : recorded_event; }
 void stub_set(void *ctx, int result) { current = ctx; stream_result = result; }
 """
 
@@ -85,6 +93,24 @@ def test_no_answer_when_the_primary_context_is_not_current(stub: tuple[Any, _Que
     assert q.done(CURRENT + 8, q.stream, 0) is None  # another context (torch's own, say)
     lib.stub_set(None, 0)
     assert q.done(CURRENT, q.stream, 0) is None  # no context on this thread
+
+
+def test_records_an_event_only_in_the_primary_context(stub: tuple[Any, _Queries]) -> None:
+    lib, q = stub
+    lib.stub_recorded.restype = ctypes.c_void_p
+    assert q.record(CURRENT, 0x51, 0) is True
+    assert (lib.stub_recorded(0), lib.stub_recorded(1)) == (0x51, None)  # on the legacy default stream
+    assert q.record(CURRENT, 0x52, 0x9000) is True
+    assert (lib.stub_recorded(0), lib.stub_recorded(1)) == (0x52, 0x9000)
+    # Not recorded here, so that the caller records through cuda-bindings (which sets the
+    # context, or raises with the error's name): no context yet, another one, an error.
+    assert q.record(None, 0x53, 0) is False
+    assert q.record(CURRENT + 8, 0x53, 0) is False
+    assert q.record(CURRENT, 0, 0) is False
+    assert lib.stub_recorded(0) == 0x52
+    lib.stub_set(None, 0)
+    assert q.record(CURRENT, 0x53, 0) is False
+    assert lib.stub_recorded(0) == 0x52
 
 
 def test_loads_only_a_library_already_loaded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -116,6 +116,28 @@ def test_torch_options_it_cannot_honour_are_refused() -> None:
         DataLoader(Ramp(), num_workers=0, device="cpu")
 
 
+def test_slots_follow_prefetch_factor_as_torch_counts_batches_in_flight(server: mp.BufferManager) -> None:
+    """A worker builds prefetch_factor batches ahead (torch's default 2) while the trainer
+    holds one: slots default to prefetch_factor + 1, so memory matches torch's batches in
+    flight; and with 3 slots a worker still keeps 2 batches ahead of a trainer that holds one."""
+    loader = DataLoader(Ramp(64), batch_size=4, num_workers=2, device="cpu", timeout=60, manager=server)
+    assert (loader.slots, loader.prefetch) == (3, 2)
+    more = DataLoader(Ramp(), batch_size=4, prefetch_factor=4, device="cpu")
+    assert (more.slots, more.prefetch) == (5, 4)
+    chosen = DataLoader(Ramp(), batch_size=4, prefetch_factor=1, slots=6, device="cpu")
+    assert (chosen.slots, chosen.prefetch) == (6, 1)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="prefetch_factor"):
+            DataLoader(Ramp(), batch_size=4, prefetch_factor=bad, device="cpu")  # type: ignore[arg-type]
+    held = []
+    for step, (values, labels, _) in enumerate(loader):
+        assert labels.tolist() == list(range(4 * step, 4 * step + 4))
+        held = [values]  # the trainer keeps the last batch while it asks for the next
+    assert step == 15 and loader.stats()["slots"] == 0  # the epoch's workers and rings are gone
+    del held, values, labels
+    wait_until(lambda: no_leases(server), timeout=10)
+
+
 def test_torch_dataloader_runs_with_gpushare_workers() -> None:
     loader = torch.utils.data.DataLoader(
         Ramp(32), batch_size=4, num_workers=2, multiprocessing_context=mp.get_context(), timeout=60
@@ -273,7 +295,9 @@ def test_ten_thousand_batches_keep_device_memory_and_slots_flat(server: mp.Buffe
     assert step == 9999
     elapsed = time.monotonic() - start
     assert abs(free_now - free_then) <= 64 << 20, (free_then, free_now)
-    assert server.stats()["bytes_allocated"] == allocated_then
+    # Nothing allocated per batch: the memory can only fall (the scratch memory of the
+    # workers' first batches is freed within a housekeeping round, maybe after step 500).
+    assert server.stats()["bytes_allocated"] <= allocated_then
     assert torch.cuda.memory_allocated() == torch_then
     assert len(pointers) <= 16  # 4 workers x 4 slots, reused for 10,000 batches
     assert all(ring.stats()["held"] <= 1 for ring in epoch._rings)  # type: ignore[attr-defined]

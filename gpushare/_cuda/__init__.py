@@ -24,21 +24,22 @@ Protocol of this layer:
 * Handles cross the process boundary as bytes. cuda-bindings changed the
   fields of ``CUipcMemHandle`` between releases, so bytes are copied
   through the struct's address with ctypes, which works on 12.x and 13.x.
-* The per-handoff queries (``cuCtxGetCurrent``, ``cuStreamQuery``,
-  ``cuEventQuery``: :func:`stream_idle`, :func:`event_done`) keep the GIL.
-  cuda-bindings releases it around every driver call, which lets another
-  thread (a Queue's feeder, woken by the put before) take it in the middle
-  of a put for a call that lasts a microsecond. These three never block,
-  so they are called through ``ctypes.PyDLL`` on the driver library that
-  cuda-bindings loaded (:class:`_queries._Queries`); every other call, and
-  these when that library cannot be found that way, go through cuda-bindings.
+* The per-handoff calls (``cuCtxGetCurrent``, ``cuStreamQuery``,
+  ``cuEventQuery``, ``cuEventRecord``: :func:`stream_idle`, :func:`event_done`,
+  :func:`event_record`) keep the GIL. cuda-bindings releases it around every
+  driver call, which lets another thread (a Queue's feeder, woken by the put
+  before) take it in the middle of a put or a publish for a call that lasts
+  microseconds. These four do not wait for the device, so they are called
+  through ``ctypes.PyDLL`` on the driver library that cuda-bindings loaded
+  (:class:`_queries._Queries`); every other call, and these when that
+  library cannot be found that way, go through cuda-bindings.
 
 The modules, by concern:
 
 * :mod:`._driver`: loading, :func:`_check`, devices, primary contexts; it
   owns all of this layer's module-level state (loaded driver, contexts,
   caches, queries), which the other modules read from it at call time.
-* :mod:`._queries`: the GIL-keeping queries, imported when the driver loads.
+* :mod:`._queries`: the GIL-keeping calls, imported when the driver loads.
 * :mod:`._device_memory`: device allocations, legacy IPC handles, VMM, IPC pools.
 * :mod:`._copies`: synchronous and asynchronous copies, page-locked host memory.
 * :mod:`._streams`: streams, events (interprocess and plain), their queries.

@@ -1,11 +1,12 @@
-"""The per-handoff queries that keep the GIL, called through ``ctypes.PyDLL``.
+"""The per-handoff driver calls that keep the GIL, called through ``ctypes.PyDLL``.
 
 cuda-bindings releases the GIL around every driver call. For
-``cuCtxGetCurrent``, ``cuStreamQuery`` and ``cuEventQuery``, which never block
-and last about a microsecond, that lets another thread (a Queue's feeder, woken
-by the put before) take the GIL in the middle of a put. :class:`_Queries`
-calls these three on the driver library cuda-bindings already loaded, with the
-GIL held. :func:`gpushare._cuda._driver._load` makes one when the driver loads
+``cuCtxGetCurrent``, ``cuStreamQuery``, ``cuEventQuery`` and ``cuEventRecord``,
+which do not wait for the device and last microseconds, that lets another
+thread (a Queue's feeder, woken by the put before) take the GIL in the middle
+of a put or a publish, and the caller then waits for it to give the GIL back.
+:class:`_Queries` calls these four on the driver library cuda-bindings already
+loaded, with the GIL held. :func:`gpushare._cuda._driver._load` makes one when the driver loads
 (so this module, and ctypes, are imported then, not with the package).
 """
 
@@ -23,7 +24,8 @@ _CUDA_ERROR_NOT_READY = 600
 
 
 class _Queries:
-    """``cuCtxGetCurrent``, ``cuStreamQuery`` and ``cuEventQuery`` called with the GIL held.
+    """``cuCtxGetCurrent``, ``cuStreamQuery``, ``cuEventQuery`` and ``cuEventRecord`` called
+    with the GIL held.
 
     ``ctypes.PyDLL`` calls a C function without releasing the GIL. The library is the
     ``libcuda.so.1`` cuda-bindings already loaded in this process
@@ -33,16 +35,18 @@ class _Queries:
     name the legacy one.
     """
 
-    __slots__ = ("ctx", "event", "stream")
+    __slots__ = ("ctx", "event", "recorder", "stream")
 
     def __init__(self, lib: Any) -> None:
         self.ctx = lib.cuCtxGetCurrent
         self.ctx.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
         self.stream = lib.cuStreamQuery
         self.event = lib.cuEventQuery
+        self.recorder = lib.cuEventRecord
         for fn in (self.stream, self.event):
             fn.argtypes = [ctypes.c_void_p]
-        for fn in (self.ctx, self.stream, self.event):
+        self.recorder.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        for fn in (self.ctx, self.stream, self.event, self.recorder):
             fn.restype = ctypes.c_int
 
     @classmethod
@@ -74,3 +78,17 @@ class _Queries:
         if err == _CUDA_ERROR_NOT_READY:
             return False
         return None
+
+    def record(self, key: int | None, event: int, stream: int) -> bool:
+        """``cuEventRecord(event, stream)`` when the primary context ``key`` is current on
+        this thread; True when recorded. False when this cannot (another context
+        current, or an error): the caller records through cuda-bindings, which sets
+        the context or reports the error with its name (a failed record recorded
+        nothing, so recording again is safe). ``stream`` is an int handle (0 and 1:
+        the legacy default stream; 2: the per-thread one)."""
+        if key is None:
+            return False
+        current = ctypes.c_void_p()
+        if self.ctx(current) != _CUDA_SUCCESS or current.value != key:
+            return False
+        return bool(self.recorder(event, stream) == _CUDA_SUCCESS)

@@ -6,9 +6,9 @@ then recorded and waited on at every handoff. A plain event
 (:func:`event_create`) orders work within this process. The per-handoff calls
 (:func:`event_record`, :func:`stream_wait_event`, :func:`stream_idle`,
 :func:`event_done`) enter the device's context through
-:func:`~gpushare._cuda._driver._enter`; the two queries go first through the
-GIL-keeping :class:`~gpushare._cuda._queries._Queries` and fall back to
-cuda-bindings (:func:`_finished`). Every other call pushes the primary
+:func:`~gpushare._cuda._driver._enter`; the two queries and the record go first
+through the GIL-keeping :class:`~gpushare._cuda._queries._Queries` and fall back
+to cuda-bindings (:func:`_finished`). Every other call pushes the primary
 context for its duration (:class:`~gpushare._cuda._driver.on_device`).
 
 The loaded driver, the primary contexts and the queries are state of
@@ -61,7 +61,14 @@ def event_create(ordinal: int) -> Any:
 
 
 def event_record(event: Any, ordinal: int, stream: int = 0) -> None:
-    """Record ``event`` on ``stream`` (0: the legacy default stream, where torch's default work runs)."""
+    """Record ``event`` on ``stream`` (0: the legacy default stream, where torch's default work runs).
+
+    Through the GIL-keeping call when the device's primary context is current on
+    this thread (the common case: a few microseconds, and no other thread runs in
+    the middle of a handoff), else through cuda-bindings."""
+    queries = _driver._queries
+    if queries is not None and queries.record(_driver._primary_ints.get(ordinal), int(event), stream):
+        return
     driver, pushed = _enter(ordinal)
     try:
         _check("cuEventRecord", driver.cuEventRecord(event, _stream(driver, stream)))

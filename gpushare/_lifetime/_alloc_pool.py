@@ -4,7 +4,10 @@ An allocation with no owner reference and no lease goes back to the pool,
 keyed by (backend, device, size); the next allocation of that key takes it
 with its generation bumped, so descriptors of its previous life are refused.
 Over ``limit`` bytes, the oldest pooled allocations are taken out to be freed
-(by the unmap protocol, :mod:`._unmapper`). Every method runs under the
+(by the unmap protocol, :mod:`._unmapper`). A *transient* allocation (asked
+for as such: a loader worker's scratch for its first batch, a size no later
+request asks for) is never pooled: once unused it is freed the same way,
+by a housekeeping round that ``kick`` starts at once. Every method runs under the
 owner's lock.
 """
 
@@ -24,6 +27,8 @@ class AllocationPool:
         self._state = state
         self.limit = limit
         self._free: dict[tuple[str, int | None, int], list[AllocRecord]] = {}
+        self._unused_transient: list[AllocRecord] = []  # to be freed by housekeeping, started by kick()
+        self.kick: Callable[[], object] = lambda: None  # the request loop's: housekeep now
         self.reused = 0
 
     def take(self, key: tuple[str, int | None, int]) -> AllocRecord | None:
@@ -38,8 +43,14 @@ class AllocationPool:
         return record
 
     def offer(self, record: AllocRecord) -> None:
-        """Pool ``record`` if nothing references it any more (and the owner still serves)."""
+        """Pool ``record`` if nothing references it any more (and the owner still serves);
+        a transient one is set aside to be freed instead."""
         if record.owner_ref or record.leases or record.pooled or record.dead or self._state.closed:
+            return
+        if record.transient:
+            if record not in self._unused_transient:
+                self._unused_transient.append(record)
+                self.kick()
             return
         record.pooled = True
         self._free.setdefault(record.pool_key, []).append(record)
@@ -58,12 +69,15 @@ class AllocationPool:
         return victims
 
     def over_limit(self) -> list[AllocRecord]:
-        """Take out the oldest pooled allocations until the pool holds at most ``limit`` bytes."""
+        """What housekeeping frees: the unused transient allocations, then the oldest pooled
+        allocations until the pool holds at most ``limit`` bytes."""
+        unused, self._unused_transient = self._unused_transient, []
+        unused = [r for r in unused if not (r.owner_ref or r.leases or r.dead)]
         if self.limit is None:
-            return []
+            return unused
         pooled = sorted((r for records in self._free.values() for r in records), key=lambda r: r.alloc_id)
         total = sum(r.allocation.nbytes for r in pooled)
-        victims = []
+        victims = unused
         while pooled and total > self.limit:
             record = pooled.pop(0)
             total -= record.allocation.nbytes

@@ -129,17 +129,28 @@ class Owner:
         return self._state.authkey
 
     # -- allocation ---------------------------------------------------------------------
-    def allocate(self, backend: _backends.Backend, nbytes: int, device: int | None, label: str) -> Memory:
-        """The owner's reference to ``nbytes`` (a multiple of 2 MiB) from the pool or the backend."""
-        record = self._allocate_record(backend, nbytes, device, label)
+    def allocate(
+        self, backend: _backends.Backend, nbytes: int, device: int | None, label: str, transient: bool = False
+    ) -> Memory:
+        """The owner's reference to ``nbytes`` (a multiple of 2 MiB) from the pool or the backend
+        (``transient``: freed once unused, never pooled)."""
+        record = self._allocate_record(backend, nbytes, device, label, transient)
         return self._memory(record, _OwnerSource(self, record))
 
     def allocate_for_peer(
-        self, backend: str, device_uuid: bytes | None, nbytes: int, label: str, dtype: str, shape: tuple[int, ...]
+        self,
+        backend: str,
+        device_uuid: bytes | None,
+        nbytes: int,
+        label: str,
+        dtype: str,
+        shape: tuple[int, ...],
+        transient: bool = False,
     ) -> bytes:
         """Another process's ``alloc`` request: the descriptor of new memory under a lease it
         claims like any other. The owner keeps no reference of its own, so the memory lives
-        exactly as long as some process holds it."""
+        exactly as long as some process holds it (then it is pooled, or freed if
+        ``transient``)."""
         chosen = _backends.get(backend)
         device = None
         if device_uuid:
@@ -147,7 +158,7 @@ class Owner:
 
             device = _cuda.ordinal_from_uuid(device_uuid)
             chosen.check_device(device)
-        record = self._allocate_record(chosen, nbytes, device, label)
+        record = self._allocate_record(chosen, nbytes, device, label, bool(transient))
         try:
             # Fresh from the backend or the pool: no work of this process is queued on it.
             lease_id, _, handle = self.leases.take(record, record.generation, record_event=False)
@@ -162,7 +173,9 @@ class Owner:
         )  # fmt: skip
         return desc.to_bytes()
 
-    def _allocate_record(self, backend: _backends.Backend, nbytes: int, device: int | None, label: str) -> AllocRecord:
+    def _allocate_record(
+        self, backend: _backends.Backend, nbytes: int, device: int | None, label: str, transient: bool = False
+    ) -> AllocRecord:
         state = self._state
         with state.lock:
             self.leases.catch_up_locked()
@@ -184,6 +197,7 @@ class Owner:
             state.records[record.alloc_id] = record
             record.owner_ref = True
             record.label = label
+            record.transient = transient
         return record
 
     def _memory(self, record: AllocRecord, source: Any) -> Memory:

@@ -99,6 +99,12 @@ class LeaseRecorder:
         self._backlog.append((kind, lease_id, alloc_id, accounted))
         self._wake.put(1)
 
+    def nudge(self) -> None:
+        """Have the owner read the journal now (the writer thread sends ``drain``): after
+        releasing transient memory, so that the owner frees it at once, not at its next
+        housekeeping round."""
+        self._wake.put(NUDGE)
+
     def request_retire(self) -> None:
         """Ask the writer thread to retire the link (never from the garbage collector's thread itself)."""
         self._wake.put(RETIRE)

@@ -45,6 +45,7 @@ class AllocRecord:
         "mappers",
         "owner_ref",
         "pooled",
+        "transient",
     )
 
     def __init__(self, alloc_id: int, allocation: _backends.Allocation, backend: _backends.Backend) -> None:
@@ -56,6 +57,7 @@ class AllocRecord:
         self.leases: set[int] = set()  # lease ids on it, claimed or not
         self.mappers: set[int] = set()  # connection ids of the processes that map it
         self.pooled = False  # waiting in the pool for its next life
+        self.transient = False  # freed, never pooled, once unused (a loader worker's scratch)
         self.dead = False  # memory freed
         self.detached = False  # the owner shut down while its own Buffers used it: freed when they go
         self.label = ""  # "(64, 1024) float32 on cuda:0", for messages

@@ -58,6 +58,8 @@ class RequestLoop:
         self._calls = calls  # "alloc", "stats", "trim", "shutdown": the Owner's, served as requests
         self._conn_ids = itertools.count(1)
         self._stop = threading.Event()
+        self._kick = threading.Event()  # housekeeping now: a transient allocation is unused
+        pool.kick = self._kick.set
         self._listener = UnixListener("owner", self._serve)
         state.address = self._listener.address
         self._housekeeper = threading.Thread(target=self._housekeeping, name="gpushare-owner-housekeeping", daemon=True)
@@ -66,6 +68,7 @@ class RequestLoop:
     def close(self) -> None:
         """Stop accepting and stop housekeeping (connections end when the owner says ``bye``)."""
         self._stop.set()
+        self._kick.set()
         self._listener.close()
         if threading.current_thread() is not self._housekeeper:
             self._housekeeper.join(timeout=2.0)
@@ -227,7 +230,11 @@ class RequestLoop:
     # -- housekeeping -------------------------------------------------------------------
     def _housekeeping(self) -> None:
         state = self._state
-        while not self._stop.wait(HOUSEKEEPING_INTERVAL):
+        while True:
+            if self._kick.wait(HOUSEKEEPING_INTERVAL):
+                self._kick.clear()
+            if self._stop.is_set():
+                break
             with state.lock:
                 self._leases.catch_up_locked()
                 expired = self._leases.expire_locked()

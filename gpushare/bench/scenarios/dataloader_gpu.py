@@ -51,7 +51,7 @@ KEYS = (KEY,)
 WORKERS = (4, 8)
 SIZES = (4 * MiB, 16 * MiB)
 BATCH = 64  # samples per batch
-SLOTS = 4  # gpushare's slots per worker
+PREFETCH = 2  # both loaders' prefetch_factor (torch's default); gpushare's slots: its default, PREFETCH + 1
 PER_EPOCH = "new loader per epoch"
 PERSISTENT = "persistent"
 MODES = (PER_EPOCH, PERSISTENT)
@@ -84,7 +84,8 @@ HOW = (
     f"batch; {' and '.join(map(str, WORKERS))} workers, batches of {' and '.join(map(_size_label, SIZES))}, "
     f"a new loader per epoch (a new torch DataLoader too) or one loader with `persistent_workers=True`. torch's: "
     f"spawn workers, its defaults otherwise (prefetch_factor 2), CUDA tensors through its CUDA IPC; gpushare's: "
-    f"{SLOTS} slots per worker, each batch stacked into a slot, viewed in place by the trainer, its workers forked "
+    f"its defaults too (prefetch_factor {PREFETCH}, {PREFETCH + 1} slots per worker: the batches built ahead and "
+    "the one the trainer holds), each batch stacked into a slot, viewed in place by the trainer, its workers forked "
     "from multiprocessing's forkserver (its default), which is stopped before each of its cells: a cell's first "
     "loader spawns its workers and starts the forkserver after its first batch, as a script's first loader does. "
     "An epoch is "
@@ -238,8 +239,9 @@ def plan(bench: Bench) -> None:
     if not add_pair(bench, main, first):
         return
     main.notes.append(
-        f"batches/s = 1e6 / median us (listed in the table below). {GS_LOADER}: {SLOTS} slots per "
-        f"worker; {TORCH_LOADER}: multiprocessing_context='spawn', its defaults otherwise. Targets: {GS_LOADER}'s "
+        f"batches/s = 1e6 / median us (listed in the table below). {GS_LOADER}: its defaults ({PREFETCH + 1} slots "
+        f"per worker, prefetch_factor {PREFETCH}); {TORCH_LOADER}: multiprocessing_context='spawn', its defaults "
+        "otherwise. Targets: {GS_LOADER}'s "
         "time per batch <= torch's (batches/s >= torch's)."
     )
     first.notes.append(
@@ -277,7 +279,6 @@ def _make_loader(system: str, dataset: GpuSamples, workers: int, persistent: boo
         dataset,
         batch_size=BATCH,
         num_workers=workers,
-        slots=SLOTS,
         device=0 if DEVICE == "cuda" else DEVICE,
         persistent_workers=persistent,
         timeout=TIMEOUT,
