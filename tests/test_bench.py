@@ -709,6 +709,9 @@ def test_dataloader_gpu_samples_runs_its_grid_on_the_cpu(tmp_path: Path, monkeyp
     monkeypatch.setattr(dg, "BATCH", 4)
     monkeypatch.setattr(dg, "CHUNK", 2)
     monkeypatch.setattr(dg, "CHUNKS", 2)
+    monkeypatch.setattr(dg, "PACED", 2)
+    monkeypatch.setattr(dg, "STEP_S", 0.001)
+    monkeypatch.setattr(dg, "TAIL", 3)
     monkeypatch.setattr(dg, "FLAT_CELL", (1, dg.MiB))
     monkeypatch.setattr(dg, "QUICK", dg.Counts(per_epoch=1, flat=3, persistent=2))
     bench = _loader_bench(tmp_path, dg.KEY)
@@ -768,7 +771,7 @@ def test_dataloader_gpu_samples_judges_device_memory_and_its_flatness(tmp_path: 
     rows = bench.scenarios[dg.KEY].rows
     per_epoch, persistent = rows[0], rows[1]
 
-    def figures(first: float, last: float, epochs: int) -> dict[str, Any]:
+    def figures(first: float, last: float, epochs: int, paced: float | None = None) -> dict[str, Any]:
         return {
             "epochs": epochs,
             "first_epoch_mib": first,
@@ -776,10 +779,11 @@ def test_dataloader_gpu_samples_judges_device_memory_and_its_flatness(tmp_path: 
             "growth_mib": last - first,
             "max_mib": max(first, last),
             "trainer_allocated_mib": 0.0,
+            "paced_first_epoch_mib": paced,
         }
 
     bench.scenarios[dg.KEY].details["device_memory"] = {
-        per_epoch: {dg.TORCH_LOADER: figures(2600, 2600, 20), dg.GS_LOADER: figures(2100, 2140, 20)},
+        per_epoch: {dg.TORCH_LOADER: figures(2600, 2600, 20, 2700), dg.GS_LOADER: figures(2100, 2140, 20, 2800)},
         persistent: {dg.GS_LOADER: figures(2100, 2100, 3)},
     }
     dg.refresh(bench, (dg.GS_LOADER, per_epoch, [1_000_000]))
@@ -787,6 +791,7 @@ def test_dataloader_gpu_samples_judges_device_memory_and_its_flatness(tmp_path: 
     verdicts = {(c.row, c.text.split(" device memory ")[1]): (c.met, c.measured) for c in main.checks}
     assert verdicts == {
         (per_epoch, f"<= {dg.TORCH_LOADER}'s"): (True, "2,100 MiB vs 2,600 MiB"),
+        (per_epoch, f"<= {dg.TORCH_LOADER}'s, the trainer taking 5 ms a batch"): (False, "2,800 MiB vs 2,700 MiB"),
         (per_epoch, f"flat over 20 epochs, a new loader each (growth <= {dg.FLAT_MIB} MiB)"): (
             False,
             "2,100 -> 2,140 MiB, +40.0 MiB",
@@ -796,9 +801,9 @@ def test_dataloader_gpu_samples_judges_device_memory_and_its_flatness(tmp_path: 
     markdown = "\n".join(_render_scenario(bench.scenarios, main))
     assert f"- Target, cell {per_epoch}: {dg.GS_LOADER} device memory <= {dg.TORCH_LOADER}'s: met" in markdown
     assert "flat over 20 epochs, a new loader each (growth <= 8 MiB): not met (2,100 -> 2,140 MiB" in markdown
-    assert f"| {per_epoch} | 2,600 | 2,600 (+0 over 20 epochs) | 0 | 2,100 | 2,140 (+40 over 20 epochs) | 0 |" in (
-        markdown
-    )
+    torch_cells = "2,600 | 2,600 (+0 over 20 epochs) | 0 | 2,700"
+    gs_cells = "2,100 | 2,140 (+40 over 20 epochs) | 0 | 2,800"
+    assert f"| {per_epoch} | {torch_cells} | {gs_cells} |" in markdown
     assert f"| {per_epoch} | - | 1,000 | - |" in markdown  # batches/s: the pending cell's 1 ms per batch
 
 

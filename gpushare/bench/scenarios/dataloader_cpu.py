@@ -58,7 +58,7 @@ SHAPE = (3, 224, 224)
 DTYPES = ("uint8", "float32")
 WORKERS = (4, 8)
 BATCH = 64  # samples per batch
-SLOTS = 4  # gpushare's slots per worker
+SLOTS = 3  # gpushare's slots per worker: its default, prefetch_factor + 1 (not passed)
 PREFETCH = 2  # torch's prefetch_factor (its default)
 MODULUS = 251  # uint8 samples hold i % MODULUS
 TORCH_LOADER = "torch DataLoader (pin_memory, .cuda(non_blocking=True))"
@@ -86,7 +86,8 @@ HOW = (
     f"{' and '.join(map(str, WORKERS))} workers, for a trainer on the GPU. torch's DataLoader with "
     "`pin_memory=True` (spawn workers, prefetch_factor 2) and `.cuda(non_blocking=True)` of images and labels in "
     f"the trainer, against {GS_LOADER}: its workers stack each batch into page-locked staging and copy it "
-    f"asynchronously into one of {SLOTS} GPU slots per worker, which the trainer views; its workers are forked "
+    f"asynchronously into one of {SLOTS} GPU slots per worker (its defaults: prefetch_factor 2, slots "
+    "prefetch_factor + 1), which the trainer views; its workers are forked "
     "from multiprocessing's forkserver (its default), stopped before each of its cells (a first loader spawns its "
     "workers and starts the forkserver after its first batch). Time to the first batch: "
     "from the loader's construction to `next()` (and the trainer's copy issued, for torch), with gpushare's "
@@ -196,9 +197,7 @@ def _make_loader(system: str, dataset: CpuImages, workers: int) -> Any:
         )
     from ... import torch as gs_torch
 
-    return gs_torch.DataLoader(
-        dataset, batch_size=BATCH, num_workers=workers, slots=SLOTS, device=DEVICE, timeout=TIMEOUT
-    )
+    return gs_torch.DataLoader(dataset, batch_size=BATCH, num_workers=workers, device=DEVICE, timeout=TIMEOUT)
 
 
 @dataclass

@@ -6,7 +6,8 @@ dataset: each sample is made on the GPU in the worker (``torch.full`` on CUDA, a
 MiB, and two ways to run epochs: a new loader per epoch (its workers start with it and
 stop at its end), or one loader with ``persistent_workers=True`` for every epoch.
 
-One task per cell and system. An epoch is 1 + ``CHUNKS`` x ``CHUNK`` batches: the first
+One task per cell and system. An epoch is 1 + ``CHUNKS`` x ``CHUNK`` + ``PACED`` +
+``TAIL`` batches: the first
 batch is timed from the loader's construction (a new loader, and a persistent loader's
 epoch 0) or from ``iter()`` (a persistent loader's later epochs) until ``next()`` returns
 it; then ``CHUNKS`` chunks of ``CHUNK`` batches are timed whole, the device synchronized
@@ -23,6 +24,14 @@ worker's allocations and contexts) at the end of each epoch, less what was used 
 the cell, and the trainer's ``torch.cuda.memory_allocated`` at the same moment. Targets on it:
 gpushare's at most torch's, and flat (growth over the epochs <= ``FLAT_MIB``) with a new
 loader each epoch, judged over ``Counts.flat`` epochs in the cell ``FLAT_CELL``.
+
+That trainer takes a batch as soon as it can (hundreds to thousands a second), so torch's
+workers rarely have more than one batch alive each, while gpushare's slots are allocated
+up front. A trainer whose step takes time lets every worker fill its prefetch, as in
+training: after the timed chunks each epoch goes on with ``PACED`` batches held
+``STEP_S`` each (a host sleep standing for the step), then reads the used memory again
+(``paced``, judged the same way), with ``TAIL`` batches still to come so that no worker has
+run out of tasks; the tail is then taken untimed.
 """
 
 from __future__ import annotations
@@ -61,6 +70,9 @@ SYSTEMS = (TORCH_LOADER, GS_LOADER)
 DEVICE = "cuda"  # where samples are made and the slots live (the plumbing test sets "cpu")
 CHUNK = 10  # batches timed whole, one sample
 CHUNKS = 3  # timed chunks per epoch, after its first batch
+PACED = 8  # then this many batches, each held STEP_S by the trainer, before the second memory reading
+STEP_S = 0.005  # the paced trainer's step per batch
+TAIL = 2 * PREFETCH * max(WORKERS)  # batches after the second reading: every worker still has tasks
 FLAT_CELL = (4, 4 * MiB)  # (workers, batch bytes): the cell whose new-loader epochs judge flatness
 FLAT_MIB = 8  # growth over the epochs at most this: flat (less than one 4 MiB ring of 4 slots)
 TIMEOUT = 120  # seconds: any one batch, a loader's workers starting included
@@ -89,9 +101,11 @@ HOW = (
     "from multiprocessing's forkserver (its default), which is stopped before each of its cells: a cell's first "
     "loader spawns its workers and starts the forkserver after its first batch, as a script's first loader does. "
     "An epoch is "
-    f"{1 + CHUNKS * CHUNK} batches: its first, then {CHUNKS} chunks of {CHUNK} timed whole, the device "
-    "synchronized after each; the trainer queues one small reduction per batch (no host sync) and checks the "
-    f"sums at the end of the cell (a wrong batch fails it). Epochs per cell: {FULL.per_epoch} with a new loader "
+    f"{1 + CHUNKS * CHUNK + PACED + TAIL} batches: its first, then {CHUNKS} chunks of {CHUNK} timed whole, the "
+    f"device synchronized after each, then {PACED} batches each held {STEP_S * 1e3:g} ms by the trainer (a paced "
+    f"trainer, as in training) and {TAIL} more untimed; the trainer queues one small reduction per batch (no "
+    "host sync) and checks the sums at the end of the cell (a wrong batch fails it). "
+    f"Epochs per cell: {FULL.per_epoch} with a new loader "
     f"each ({FULL.flat} in the {FLAT_CELL[0]} workers, {_size_label(FLAT_CELL[1])} cell), {FULL.persistent} "
     f"persistent ({QUICK.per_epoch}, {QUICK.flat} and {QUICK.persistent} with --quick). `{KEY}`: median time per "
     f"chunk / {CHUNK} (1e6 / it = batches/s), torch's as the floor; target: gpushare's <= torch's. "
@@ -100,11 +114,13 @@ HOW = (
     "target <= torch's; a note per cell gives gpushare's first batch step by "
     "step (`loader.stats()['first_batch_s']`: worker 0 spawned, started, linked, its slots allocated, the "
     "trainer's receipt). Device memory: the device's used memory "
-    "(`torch.cuda.mem_get_info` in the trainer: trainer and workers, contexts included) at the end of each "
-    "epoch, workers still running, less the used memory before the cell; and the trainer's "
-    "`torch.cuda.memory_allocated`. Targets: gpushare's <= "
-    f"torch's (first epoch), and growth from the first to the last epoch <= {FLAT_MIB} MiB with a new loader "
-    f"each epoch (judged in the {FULL.flat}-epoch cell; {QUICK.flat} epochs with --quick)."
+    "(`torch.cuda.mem_get_info` in the trainer: trainer and workers, contexts included) after each epoch's timed "
+    "chunks, workers still running, less the used memory before the cell; and the trainer's "
+    "`torch.cuda.memory_allocated`; then again after the paced batches, every worker still with tasks: a trainer "
+    "that takes its batches as fast as this one leaves torch's workers about one batch alive each, a paced one "
+    "lets them fill their prefetch, while gpushare's slots are allocated up front. Targets: gpushare's <= "
+    f"torch's (first epoch, both readings), and growth from the first to the last epoch <= {FLAT_MIB} MiB with a "
+    "new loader each epoch (judged in the {FULL.flat}-epoch cell; {QUICK.flat} epochs with --quick)."
 )
 
 
@@ -291,8 +307,9 @@ class CellRun:
 
     per_batch: list[int]  # ns per batch, one per timed chunk
     firsts: list[int]  # ns to the first batch, one per epoch
-    used: list[int]  # device bytes in use at the end of each epoch, less the baseline (CUDA only)
+    used: list[int]  # device bytes in use after each epoch's timed chunks, less the baseline (CUDA only)
     trainer: list[int]  # the trainer's torch.cuda.memory_allocated at the same moments, less its baseline
+    paced: list[int]  # device bytes in use after each epoch's paced batches, less the baseline
     steps: dict[str, float] | None = None  # gpushare's: where its first epoch's first batch went
 
 
@@ -314,7 +331,7 @@ def run_cell(system: str, workers: int, nbytes: int, mode: str, epochs: int) -> 
     import torch
 
     cuda = DEVICE == "cuda"
-    per_epoch = 1 + CHUNKS * CHUNK
+    per_epoch = 1 + CHUNKS * CHUNK + PACED + TAIL
     dataset = GpuSamples(BATCH * per_epoch, nbytes // BATCH // 4, DEVICE)
     persistent = mode == PERSISTENT
     if system == GS_LOADER:
@@ -322,7 +339,7 @@ def run_cell(system: str, workers: int, nbytes: int, mode: str, epochs: int) -> 
     base_used = settled_used(DEVICE)
     base_trainer = torch.cuda.memory_allocated() if cuda else 0
     total = torch.zeros((), dtype=torch.float64, device=DEVICE)  # exact for these sums
-    run = CellRun([], [], [], [])
+    run = CellRun([], [], [], [], [])
     clock = time.perf_counter_ns
     loader: Any = None
     it: Any = None
@@ -355,6 +372,16 @@ def run_cell(system: str, workers: int, nbytes: int, mode: str, epochs: int) -> 
             if used is not None and base_used is not None:
                 run.used.append(used - base_used)
                 run.trainer.append(torch.cuda.memory_allocated() - base_trainer)
+            for _ in range(PACED):  # a trainer whose step takes time: every worker fills its prefetch
+                values, _labels = next(it)
+                total += values[0, 0] + values[-1, -1]
+                time.sleep(STEP_S)
+            used = device_used(DEVICE)
+            if used is not None and base_used is not None:
+                run.paced.append(used - base_used)
+            for _ in range(TAIL):
+                values, _labels = next(it)
+                total += values[0, 0] + values[-1, -1]
             values = _labels = None
             try:
                 next(it)
@@ -412,6 +439,7 @@ def measure(bench: Bench, system: str, workers: int, nbytes: int, mode: str, epo
             "growth_mib": round((run.used[-1] - run.used[0]) / MiB, 1),
             "max_mib": round(max(run.used) / MiB, 1),
             "trainer_allocated_mib": round(run.trainer[0] / MiB, 1),
+            "paced_first_epoch_mib": round(run.paced[0] / MiB, 1) if run.paced else None,
         }
     refresh(bench, (system, row_label(workers, nbytes, mode), run.per_batch))
     return run.per_batch
@@ -433,12 +461,14 @@ def refresh(bench: Bench, pending: tuple[str, str, list[int]]) -> None:
         for system in SYSTEMS:
             f = figures.get(system)
             if f is None:
-                cells += ["-", "-", "-"]
+                cells += ["-", "-", "-", "-"]
             else:
+                paced = f.get("paced_first_epoch_mib")
                 cells += [
                     f"{f['first_epoch_mib']:,.0f}",
                     f"{f['last_epoch_mib']:,.0f} ({f['growth_mib']:+,.0f} over {f['epochs']} epochs)",
                     f"{f['trainer_allocated_mib']:,.0f}",
+                    "-" if paced is None else f"{paced:,.0f}",
                 ]
         memory_rows.append(cells)
         torch_f, gs_f = figures.get(TORCH_LOADER), figures.get(GS_LOADER)
@@ -453,6 +483,17 @@ def refresh(bench: Bench, pending: tuple[str, str, list[int]]) -> None:
                     f"{gs_f['first_epoch_mib']:,.0f} MiB vs {torch_f['first_epoch_mib']:,.0f} MiB",
                 )
             )
+            gs_p, torch_p = gs_f.get("paced_first_epoch_mib"), torch_f.get("paced_first_epoch_mib")
+            if gs_p is not None and torch_p is not None:
+                checks.append(
+                    Check(
+                        row,
+                        f"{GS_LOADER} device memory <= {TORCH_LOADER}'s, the trainer taking {STEP_S * 1e3:g} ms "
+                        "a batch",
+                        gs_p <= torch_p,
+                        f"{gs_p:,.0f} MiB vs {torch_p:,.0f} MiB",
+                    )
+                )
         if row == row_label(*FLAT_CELL, PER_EPOCH) and gs_f is not None and gs_f["epochs"] >= 2:
             checks.append(
                 Check(
@@ -468,12 +509,18 @@ def refresh(bench: Bench, pending: tuple[str, str, list[int]]) -> None:
     if memory_rows:
         header = ["cell"]
         for system in SYSTEMS:
-            header += [f"{system}: first epoch", f"{system}: last epoch (growth)", f"{system}: trainer allocated"]
+            header += [
+                f"{system}: first epoch",
+                f"{system}: last epoch (growth)",
+                f"{system}: trainer allocated",
+                f"{system}: first epoch, paced trainer",
+            ]
         tables.append(
             Table(
-                f"`{KEY}` device memory, MiB: the device's used memory at the end of an epoch (trainer and workers, "
-                "contexts included) less the used memory before the cell; the trainer's "
-                "`torch.cuda.memory_allocated` (first epoch)",
+                f"`{KEY}` device memory, MiB: the device's used memory after an epoch's timed chunks (trainer and "
+                "workers, contexts included) less the used memory before the cell; the trainer's "
+                f"`torch.cuda.memory_allocated` (first epoch); the used memory after {PACED} more batches that the "
+                f"trainer held {STEP_S * 1e3:g} ms each (first epoch), every worker still with tasks",
                 header,
                 memory_rows,
             )
