@@ -120,7 +120,7 @@ HOW = (
     "that takes its batches as fast as this one leaves torch's workers about one batch alive each, a paced one "
     "lets them fill their prefetch, while gpushare's slots are allocated up front. Targets: gpushare's <= "
     f"torch's (first epoch, both readings), and growth from the first to the last epoch <= {FLAT_MIB} MiB with a "
-    "new loader each epoch (judged in the {FULL.flat}-epoch cell; {QUICK.flat} epochs with --quick)."
+    f"new loader each epoch (judged in the {FULL.flat}-epoch cell; {QUICK.flat} epochs with --quick)."
 )
 
 
