@@ -158,6 +158,43 @@ def test_trim_frees_pool(manager: mp.BufferManager) -> None:
     assert manager.stats()["bytes_allocated"] == 0
 
 
+def _w_scratch(allocator: Any, out: Any, transient: bool) -> None:
+    """A worker's scratch memory: allocated from another process's owner, written, released."""
+    buf = allocator.empty((3 << 20,), "uint8", "cpu", transient=transient)
+    buf.numpy()[:] = 7
+    buf.release()
+    allocator.released_transient()  # the owner reads this process's releases now
+    out.put("released")
+
+
+@pytest.mark.parametrize("owner", ["process", "server"])
+def test_transient_allocations_are_freed_not_pooled(owner: str, reap: list[Any]) -> None:
+    """An allocation asked for as transient (a loader worker's first-batch scratch) is freed
+    once unused instead of waiting in the pool for a request of its size that never comes;
+    an ordinary one is pooled. From another process (an alloc request) and in the owner's own."""
+    with mp.Manager(owner=owner) as m:
+        allocator = m.allocator()
+        for transient in (False, True):
+            out = mp.Queue()
+            proc = start(reap, _w_scratch, allocator, out, transient)
+            assert out.get(timeout=30) == "released"
+            join_ok(proc)
+            if transient:
+                wait_until(lambda: m.stats()["bytes_allocated"] == 0, timeout=2)
+                assert m.stats()["pooled_buffers"] == 0
+            else:
+                wait_until(lambda: m.stats()["pooled_buffers"] == 1, timeout=5)
+                assert m.stats()["bytes_pooled"] == 4 << 20
+                assert m.trim() == 4 << 20
+        # This process: the owner's own (owner="process"), or a client of the server's.
+        mine = allocator.empty((1 << 20,), "uint8", "cpu", transient=True)
+        assert m.stats()["live_buffers"] == 1
+        mine.release()
+        allocator.released_transient()
+        wait_until(lambda: m.stats()["bytes_allocated"] == 0, timeout=2)
+        assert m.stats()["pooled_buffers"] == 0
+
+
 def test_pool_limit_is_enforced(tmp_path) -> None:
     with mp.Manager(pool_limit=2 << 20) as m:
         bufs = [m.empty((1,), "uint8", device="cpu") for _ in range(4)]
