@@ -278,10 +278,8 @@ class DataLoader(SlotLoader):
             batch_sampler = BatchSampler(sampler, batch_size, drop_last)
         if timeout < 0:
             raise ValueError(f"timeout={timeout!r} must be >= 0 (0 waits forever)")
-        if prefetch_factor is None:
-            prefetch_factor = 2  # torch's default with workers
-        elif isinstance(prefetch_factor, bool) or not isinstance(prefetch_factor, int) or prefetch_factor < 1:
-            raise ValueError(f"prefetch_factor={prefetch_factor!r} must be an int >= 1")
+        # torch's default with workers; checked here, before slots are counted from it
+        prefetch_factor = 2 if prefetch_factor is None else _loader._positive("prefetch_factor", prefetch_factor)
         if slots is None:
             slots = prefetch_factor + 1
         super().__init__(

@@ -68,7 +68,7 @@ class AllocationPool:
             self.remove(record)
         return victims
 
-    def over_limit(self) -> list[AllocRecord]:
+    def to_free(self) -> list[AllocRecord]:
         """What housekeeping frees: the unused transient allocations, then the oldest pooled
         allocations until the pool holds at most ``limit`` bytes."""
         unused, self._unused_transient = self._unused_transient, []

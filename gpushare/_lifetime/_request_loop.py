@@ -5,9 +5,10 @@ Each connection authenticates (:mod:`gpushare._authsocket`), says ``hello``
 messages listed in :mod:`gpushare._lifetime`; before each one the owner reads
 that consumer's journal, so its records count before anything it sent after
 them. When the connection closes (exit, crash, SIGKILL) everything the
-consumer held is released at once. Housekeeping (every 0.2 s) reads the
-journals, expires leases never claimed within ``lease_timeout`` and frees
-what the pool holds over its limit.
+consumer held is released at once. Housekeeping (every 0.2 s, and at once
+when a transient allocation falls unused) reads the journals, expires leases
+never claimed within ``lease_timeout`` and frees unused transient
+allocations and what the pool holds over its limit.
 
 The loop decides nothing about leases or memory itself: it hands each
 message to the part of the :class:`~gpushare._lifetime.Owner` it concerns
@@ -238,7 +239,7 @@ class RequestLoop:
             with state.lock:
                 self._leases.catch_up_locked()
                 expired = self._leases.expire_locked()
-                over = self._pool.over_limit()
+                unused = self._pool.to_free()
             self._leases.send_refusals()
             for lease in expired:
                 if lease.quiet:  # a Ray object's, or read through: its expiry is the end of its use
@@ -250,5 +251,5 @@ class RequestLoop:
                     "dropped. Unpickling it now raises DescriptorError",
                     LeaseExpiredWarning,
                 )
-            for record in over:
+            for record in unused:
                 self._unmapper.destroy(record)
