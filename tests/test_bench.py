@@ -615,8 +615,9 @@ def test_weight_sync_goals_are_judged_against_the_floor_and_the_best_torch_patte
     scenario.systems[ws.GS_INPLACE] = Series(cells={"1": Cell.of([150 * 1000])})
     status = {goal.text: _goal_status({"weight_sync": scenario}, scenario, goal) for goal in scenario.goals}
     assert status[f"{ws.GS_COPY} <= 1.2x {ws.LOCAL}"] == (True, "1.10x")
-    assert status[f"{ws.GS_COPY} >= 4x faster than {ws.TORCH_TENSOR}"] == (True, "0.16x")
-    assert status[f"{ws.GS_COPY} >= 1.1x faster than the best torch pattern"] == (True, "0.66x")  # kept bucket
+    assert status[f"{ws.GS_COPY} >= 4x faster than {ws.TORCH_TENSOR}"] == (True, "0.16x, 6.39x faster")
+    best = status[f"{ws.GS_COPY} >= 1.1x faster than the best torch pattern"]
+    assert best == (True, "0.66x, 1.52x faster")  # against the kept bucket
     assert status[f"{ws.GS_INPLACE} <= 100 us"] == (False, "150 us")
     assert status[f"{ws.GS_ZERO} <= the {ws.LOCAL} floor"] == (None, "-")  # not measured
 

@@ -606,6 +606,7 @@ def test_chaos_run(backend, tmp_path) -> None:
     assert report_path.exists(), f"no report; rc {done.returncode}\n{done.stderr[-4000:]}"
     report = json.loads(report_path.read_text())
     print(f"\nchaos run [{backend}]: {json.dumps(report, sort_keys=True)}")
+    raw_problems = list(report["problems"])
     # Not vacuous: consumers were killed, and both kinds of item went through.
     assert report["kills"] >= 3 and report["queue_delivered"] > 0 and report["ring_deliveries"] > 0, report
     if backend == "cuda_pool":
@@ -619,4 +620,5 @@ def test_chaos_run(backend, tmp_path) -> None:
         if -delta <= POOL_HOLD:
             report["problems"] = [p for p in report["problems"] if not p.startswith("device memory not given back")]
     assert report["problems"] == [], report
-    assert done.returncode == 0, done.stderr[-4000:]
+    # chaos_run exits 1 on any problem it found, the one excused above included.
+    assert done.returncode == (1 if raw_problems else 0), done.stderr[-4000:]

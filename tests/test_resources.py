@@ -1,7 +1,7 @@
 """Everything that owns something gives it all back: one accounting test per owner.
 
-Each owner -- a Manager (both owner modes), a ring, a Queue, a Pool, a
-SlotLoader and the torch DataLoader (persistent workers or not) -- is made,
+Each owner -- a Manager (both owner modes), a ring, a tensor set, a Queue,
+a Pool, a SlotLoader and the torch DataLoader (persistent workers or not) -- is made,
 used and dropped 20 times in this process, once ended explicitly
 (``close()`` / ``with``) and once only dropped (the last reference goes).
 Afterwards these are back to what they were before the first one:
@@ -193,6 +193,32 @@ def test_rings(backend: str, manager: mp.BufferManager) -> None:
             consumer.close()
             ring.close()
         del ring, consumer, buf, item
+
+    account(once, device)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tensor_sets(backend: str, manager: mp.BufferManager) -> None:
+    device = device_for(backend)
+    manager.empty((4,), device=device, backend=backend).release()  # the Manager's own first allocation
+    layout = {"w": ((256,), "float32"), "b": ((3,), "int64")}
+
+    def once(close: bool) -> None:
+        ts = manager.tensor_set(layout, versions=2, device=device, backend=backend)
+        reader = pickle.loads(pickle.dumps(ts))  # registers a reader in this process
+        ts.publish({"w": np.full(256, 1.0, "float32"), "b": np.arange(3)}, timeout=10)
+        draft = ts.draft(timeout=10)  # filled in place and published: version 2
+        draft["w"].copy_from(np.full(256, 2.0, "float32"))
+        draft["b"].copy_from(np.arange(3))
+        ts.publish(draft)
+        ts.draft(timeout=10)  # dropped unpublished: its version comes back
+        snap = reader.latest(timeout=10)
+        assert snap.version == 2 and float(snap["w"].numpy()[0]) == 2.0
+        snap.release()
+        if close:
+            reader.close()
+            ts.close()
+        del ts, reader, draft, snap
 
     account(once, device)
 

@@ -306,6 +306,31 @@ def test_publish_take_draft_and_the_api_edges_in_one_process(manager) -> None:
         pickle.dumps(ts)
 
 
+@pytest.mark.parametrize("how", ["release", "publish", "drop"])
+def test_a_draft_keeps_its_versions_memory_past_close_until_it_goes(manager, how) -> None:
+    """A draft holds a count on its version's memory, not only the version: the set closed
+    under it, the draft stays writable, and its memory goes once the draft does (released,
+    published into the closed set, or dropped with its last view)."""
+    ts = manager.tensor_set(LAYOUT, versions=2, device="cpu")
+    version_bytes = manager.stats()["bytes_in_use"] // 2
+    draft = ts.draft(timeout=1)
+    view = draft["w"]
+    ts.close()
+    assert manager.stats()["bytes_in_use"] == version_bytes  # the other version went with the set
+    view.numpy()[...] = 7.0  # still mapped: the draft's count holds it
+    if how == "release":
+        draft.release()
+    elif how == "publish":
+        with pytest.raises(mp.TensorSetClosedError):
+            ts.publish(draft)
+        assert draft.released
+    else:
+        del draft
+        assert manager.stats()["bytes_in_use"] == version_bytes  # the view still holds the draft
+    del view
+    assert manager.stats()["bytes_in_use"] == 0
+
+
 def test_a_rewrite_of_the_latest_makes_readers_wait_for_the_new_one(manager) -> None:
     """With every other version held, publish takes the latest one's place; readers asking
     meanwhile wait until the new version lands."""

@@ -42,16 +42,35 @@ __all__ = ["Draft", "TensorSet", "create_tensor_set"]
 
 
 class _DraftHold:
-    """What a draft's views hold: its version, given back when the last of them goes unpublished."""
+    """What a draft and its views hold: its version, and a count on the version's memory.
 
-    __slots__ = ("__weakref__", "epoch", "finalizer", "slot")
+    Both go when the draft is published or released; a draft dropped unpublished
+    (the draft and its last view collected, or the interpreter's exit) gives the
+    version back and drops the count through the finalizer. One finalizer and a
+    bare count, not a Buffer of its own: a draft is taken and published every
+    training step, and each costs microseconds there (the in-place publish).
+    """
 
-    def __init__(self, core: SetProducer, slot: int, epoch: int) -> None:
+    __slots__ = ("__weakref__", "epoch", "finalizer", "memory", "slot")
+
+    def __init__(self, core: SetProducer, slot: int, epoch: int, memory: Any) -> None:
         self.slot = slot
         self.epoch = epoch
+        self.memory = memory  # counted by TensorSet._acquire
         # A weak reference to this hold (no cycle): it runs when the last view goes.
-        self.finalizer = weakref.finalize(self, core.unpublished, slot, epoch)
-        self.finalizer.atexit = False
+        self.finalizer = weakref.finalize(self, _unpublished, core, slot, epoch, memory)
+
+    def drop(self) -> None:
+        """The draft was published or released: no finalizer; the memory's count goes now."""
+        if self.finalizer.detach() is not None:
+            self.memory.drop_one()
+
+
+def _unpublished(core: SetProducer, slot: int, epoch: int, memory: Any) -> None:
+    try:
+        core.unpublished(slot, epoch)
+    finally:
+        memory.drop_one()
 
 
 class Draft(Mapping[str, TensorView]):
@@ -64,16 +83,16 @@ class Draft(Mapping[str, TensorView]):
     one afterwards raises :class:`~gpushare.BufferReleasedError`.
     """
 
-    __slots__ = ("_buffer", "_family", "_hold", "_set", "_views", "layout", "slot")
+    __slots__ = ("_base", "_family", "_hold", "_set", "_views", "layout", "slot")
 
-    def __init__(self, owner: TensorSet, layout: Layout, buffer: Buffer, hold: _DraftHold) -> None:
+    def __init__(self, owner: TensorSet, layout: Layout, base: int, hold: _DraftHold) -> None:
         self._set = owner
         self.layout = layout
         self.slot = hold.slot
-        self._buffer: Buffer | None = buffer  # a count on the version's memory while the draft is out
-        self._hold: _DraftHold | None = hold
+        self._base = base  # where the version starts in its allocation
+        self._hold: _DraftHold | None = hold  # the version and a count on its memory, while the draft is out
         self._views: dict[str, TensorView] = {}
-        self._family: Any = Family()
+        self._family: Any = None  # made with the first view
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -84,23 +103,23 @@ class Draft(Mapping[str, TensorView]):
         """Whether the draft was published or released (its views are gone)."""
         return self._hold is None
 
-    def _out(self) -> tuple[Buffer, _DraftHold]:
-        hold, buffer = self._hold, self._buffer
-        if hold is None or buffer is None:
+    def _out(self) -> _DraftHold:
+        hold = self._hold
+        if hold is None:
             raise BufferReleasedError("this draft was already published or released; take a new one with ts.draft()")
-        return buffer, hold
+        return hold
 
     def __getitem__(self, name: str) -> TensorView:
         view = self._views.get(name)
         if view is not None and self._hold is not None:
             return view
-        buffer, hold = self._out()
+        hold = self._out()
         spec = self.layout.get(name)
         if spec is None:
             raise KeyError(name)
-        view = TensorView(
-            memory_of(buffer), byte_offset(buffer) + spec.offset, spec.shape, spec.dtype, hold, spec.tag, self._family
-        )
+        if self._family is None:
+            self._family = Family()
+        view = TensorView(hold.memory, self._base + spec.offset, spec.shape, spec.dtype, hold, spec.tag, self._family)
         self._views[name] = view
         return view
 
@@ -113,22 +132,24 @@ class Draft(Mapping[str, TensorView]):
     def __contains__(self, name: object) -> bool:
         return name in self.layout
 
-    def _spend(self) -> tuple[Buffer, _DraftHold]:
+    def _spend(self) -> _DraftHold:
         """Take the draft's version out of it (publish or release); its views are released."""
-        buffer, hold = self._out()
-        self._hold = self._buffer = None
-        self._views.clear()
-        release_family(self._family)
-        return buffer, hold
+        hold = self._out()
+        self._hold = None
+        if self._family is not None:
+            self._views.clear()
+            release_family(self._family)
+        return hold
 
     def release(self) -> None:
         """Give the version back unpublished (its contents are undefined for the next draft). Idempotent."""
         if self._hold is None:
             return
-        buffer, hold = self._spend()
-        hold.finalizer.detach()  # the version goes back now, not when the hold is collected
-        self._set._core.give_back(hold.slot, hold.epoch)
-        buffer.release()
+        hold = self._spend()
+        try:
+            self._set._core.give_back(hold.slot, hold.epoch)  # now, not when the hold is collected
+        finally:
+            hold.drop()
 
     def __enter__(self) -> Draft:
         return self
@@ -225,18 +246,21 @@ class TensorSet:
         """
         core = self._core
         handle = stream_handle(stream) if core.cuda else None
-        slot, epoch, buffer = self._acquire(timeout, handle)
-        return Draft(self, core.layout, buffer, _DraftHold(core, slot, epoch))
+        slot, epoch, memory, base = self._acquire(timeout, handle)
+        return Draft(self, core.layout, base, _DraftHold(core, slot, epoch, memory))
 
-    def _acquire(self, timeout: float | None, wait_stream: int | None) -> tuple[int, int, Buffer]:
+    def _acquire(self, timeout: float | None, wait_stream: int | None) -> tuple[int, int, Any, int]:
+        """A version to write, and a count on its memory while it is written (the caller drops it):
+        ``(slot, epoch, memory, where the version starts in it)``."""
         core = self._core
         slot, epoch = core.acquire(timeout, wait_stream)
-        try:
-            buffer = core.buffers[slot].view()  # our own count while the version is written
-        except BufferReleasedError:  # closed meanwhile
+        version = core.buffers[slot]
+        if version.released:  # closed meanwhile
             core.give_back(slot, epoch)
-            raise core._closed_error() from None
-        return slot, epoch, buffer
+            raise core._closed_error()
+        memory = memory_of(version)
+        memory.acquire()
+        return slot, epoch, memory, byte_offset(version)
 
     def publish(
         self, tensors: Mapping[str, Any] | Draft, *, stream: object = None, timeout: float | None = None
@@ -264,7 +288,7 @@ class TensorSet:
                 "tensors to the set's GPU first"
             )
         private = copy_stream(core.device).stream if core.cuda else None  # type: ignore[arg-type]
-        slot, epoch, buffer = self._acquire(timeout, private)
+        slot, epoch, memory, _ = self._acquire(timeout, private)
         try:
             dsts, srcs, sizes = plan.lists(core.bases[slot])
             recorded = False
@@ -284,19 +308,19 @@ class TensorSet:
                 recorded = core.cuda
         except BaseException:
             core.give_back(slot, epoch)
-            buffer.release()
+            memory.drop_one()
             raise
         try:
             return core.publish(slot, epoch, recorded)
         finally:
-            buffer.release()
+            memory.drop_one()
             del plan, tensors  # what the copy read stays alive until here
 
     def _publish_draft(self, draft: Draft, stream: object) -> int:
         core = self._core
         if draft._set is not self:
             raise LayoutError("publish() takes a draft made by this tensor set's draft()")
-        buffer, hold = draft._out()
+        hold = draft._out()
         recorded = False
         if core.cuda:
             # Engines wait on this version's event (nothing device-wide). A stream with nothing
@@ -306,18 +330,17 @@ class TensorSet:
             recorded = not _cuda.stream_idle(device, on)
             if recorded:
                 _cuda.event_record(core.events[hold.slot], device, on)
-        if not core.still_writing(hold.slot, hold.epoch):
-            draft._spend()
-            raise BufferReleasedError("this draft's version was given back already; take a new one with ts.draft()")
         draft._spend()
-        hold.finalizer.detach()  # published: the hold's collection gives nothing back
         try:
-            return core.publish(hold.slot, hold.epoch, recorded)
-        except TensorSetClosedError:
-            core.give_back(hold.slot, hold.epoch)
-            raise
+            if not core.still_writing(hold.slot, hold.epoch):
+                raise BufferReleasedError("this draft's version was given back already; take a new one with ts.draft()")
+            try:
+                return core.publish(hold.slot, hold.epoch, recorded)
+            except TensorSetClosedError:
+                core.give_back(hold.slot, hold.epoch)
+                raise
         finally:
-            buffer.release()
+            hold.drop()  # published: the hold's collection gives nothing back
 
     # -- the rest ----------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

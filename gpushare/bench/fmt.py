@@ -147,4 +147,8 @@ def _goal_status(bench_scenarios: dict[str, Scenario], scenario: Scenario, goal:
     else:
         reference = _floor_cell(bench_scenarios, scenario, goal.row)
     ratio = _ratio(cell, reference)
+    if ratio != "-" and goal.target.limit < 1 and cell is not None and cell.median_us > 0:
+        # A "faster than" goal: say the speed-up (the reference's time over this one's) with the ratio.
+        assert reference is not None
+        return goal.target.met(cell, reference), f"{ratio}x, {_ratio(reference, cell)}x faster"
     return goal.target.met(cell, reference), ratio if ratio == "-" else f"{ratio}x"
