@@ -204,15 +204,36 @@ def _version_tensors(tensor_set: Any, slot: int) -> list[torch.Tensor]:
     cache = tensor_set._adapters.setdefault("torch", {})
     tensors = cache.get(slot)
     if tensors is None:
-        buffer = tensor_set._version_buffer(slot)
-        flat = torch.from_numpy(buffer.numpy()) if buffer.device == "cpu" else torch.from_dlpack(buffer)
-        buffer.release()  # the tensor keeps a count of its own
-        tensors = []
-        for spec in tensor_set.layout.values():
-            dtype = getattr(torch, spec.tag or spec.dtype.name)
-            tensors.append(flat[spec.offset : spec.offset + spec.nbytes].view(dtype).view(spec.shape))
-        cache[slot] = tensors
+        tensors = cache[slot] = _slot_tensors(tensor_set._version_buffer(slot), tensor_set.layout)
     return tensors  # type: ignore[no-any-return]
+
+
+def _snapshot_tensors(snapshot: Any) -> list[torch.Tensor]:
+    """An engine's torch tensors over every tensor of ``snapshot``'s version slot, in layout
+    order, made once per slot in this reader (as :func:`_version_tensors` for the trainer).
+
+    They hold no version: whoever uses them holds the snapshot (:func:`bind` keeps it in the
+    module), and orders its stream after the snapshot's ready event (``_order_stream``).
+    """
+    cache = snapshot._adapters.setdefault("torch", {})
+    tensors = cache.get(snapshot.slot)
+    if tensors is None:
+        tensors = cache[snapshot.slot] = _slot_tensors(snapshot._version_buffer(), snapshot.layout)
+    return tensors  # type: ignore[no-any-return]
+
+
+def _slot_tensors(buffer: Any, layout: Any) -> list[torch.Tensor]:
+    """One tensor per spec of ``layout`` over ``buffer`` (a version's bytes), which it releases:
+    the tensors keep a count of their own on the memory."""
+    try:
+        flat = torch.from_numpy(buffer.numpy()) if buffer.device == "cpu" else torch.from_dlpack(buffer)
+    finally:
+        buffer.release()
+    tensors = []
+    for spec in layout.values():
+        dtype = getattr(torch, spec.tag or spec.dtype.name)
+        tensors.append(flat[spec.offset : spec.offset + spec.nbytes].view(dtype).view(spec.shape))
+    return tensors
 
 
 def _match(module: torch.nn.Module, snapshot: Mapping[str, Any], strict: bool) -> tuple[Any, IncompatibleKeys]:
@@ -259,10 +280,28 @@ def bind(module: torch.nn.Module, snapshot: Any, *, strict: bool = True) -> Inco
     snapshot bound before (if any) is released once every tensor points at
     the new one. Shapes and dtypes must match (no casting); ``strict`` as
     :func:`load_state_dict`. The module's tensors end up on the snapshot's
-    device.
+    device; on CUDA, torch's current stream waits for the version's writes.
+
+    The module is what holds the version: its tensors view memory that this
+    process maps once per version slot and reuses for every version bound
+    later (a rebind costs microseconds a tensor, not a DLPack export each).
+    A tensor taken from the module does not hold the version on its own:
+    once the module is rebound or dropped, the trainer may rewrite it.
     """
     own, keys = _match(module, snapshot, strict)
-    tensors = {name: as_tensor(snapshot[name]) for name in snapshot if name in own}
+    if hasattr(snapshot, "_order_stream"):
+        # A reader's snapshot: tensors over its version slot made once per slot in this
+        # process, not one DLPack export per tensor per version (milliseconds a version
+        # for a 200-tensor model). The module holds the snapshot, and torch's current
+        # stream waits for the version's writes.
+        cached = _snapshot_tensors(snapshot)
+        # A tensor object per bind (detach: same memory, no copy), so that modules bound to one
+        # slot share no tensor object (a buffer is the module's own after this).
+        tensors = {name: t.detach() for name, t in zip(snapshot.layout, cached, strict=True) if name in own}
+        if cached and cached[0].is_cuda:
+            snapshot._order_stream(torch.cuda.current_stream(cached[0].device).cuda_stream)
+    else:
+        tensors = {name: as_tensor(snapshot[name]) for name in snapshot if name in own}
     for name, tensor in tensors.items():
         current = own[name]
         if current.shape != tensor.shape or current.dtype != tensor.dtype:

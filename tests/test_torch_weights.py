@@ -131,6 +131,39 @@ def test_publish_and_load_and_bind_in_one_process(manager) -> None:
         reader.close()
 
 
+def test_bind_maps_each_version_slot_once_and_shares_no_tensor_between_modules(manager) -> None:
+    """bind() reuses one set of tensors per version slot of the reader (no export per tensor per
+    version), still reads each new version, gives two modules tensor objects of their own, and
+    the reader's close lets go of those tensors."""
+    from gpushare._torch_weights import _snapshot_tensors
+
+    trainer = Net()
+    with manager.tensor_set(state_dict_layout(trainer.state_dict()), versions=2, device="cpu") as ts:
+        reader = pickle.loads(pickle.dumps(ts))
+        first, second = Net(), Net()
+        slots = {}
+        for step in range(1, 6):  # the two versions, taken in turn
+            tw_step(trainer, step)
+            publish_state_dict(ts, trainer.state_dict())
+            snap = reader.latest(timeout=5)
+            cached = _snapshot_tensors(snap)
+            assert slots.setdefault(snap.slot, cached) is cached  # made once per slot
+            bind(first, snap)
+            bind(second, snap)
+            del snap
+            assert tw_checksum(first.state_dict()) == tw_checksum(trainer.state_dict())
+            assert first.fc1.weight.data_ptr() == second.fc1.weight.data_ptr()
+            assert first.norm.running_mean is not second.norm.running_mean  # one object per module
+        assert sorted(slots) == [0, 1] and ts.stats()["held"] == {5: [ts.stats()["reader_pids"][0]]}
+        adapters = reader._core.adapters
+        assert adapters["torch"].keys() == {0, 1}
+        first.__dict__.pop("_gpushare_snapshot").release()  # the modules let go of version 5
+        second.__dict__.pop("_gpushare_snapshot").release()
+        assert ts.stats()["held"] == {}
+        reader.close()
+        assert adapters == {}
+
+
 @pytest.mark.parametrize("engine", ["copy", "bind"])
 def test_engines_in_processes_follow_the_trainers_state_dict(manager, reap, engine) -> None:
     trainer = Net()

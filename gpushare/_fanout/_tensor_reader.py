@@ -128,6 +128,7 @@ class _ReaderCore:
         self.closed: str | None = None
         self.offer: tuple[int, int, bool] | None = None  # after the trainer closed: (version, slot, recorded)
         self.taken = 0  # the newest version taken here
+        self.adapters: dict[str, Any] = {}  # what adapters (gpushare.torch) keep per version slot; cleared at shut
 
     # -- releases (maybe from the garbage collector: no lock, no message) ---------------
     def release(self, slot: int, gid: int, info: _GrantInfo) -> None:
@@ -168,6 +169,7 @@ class _ReaderCore:
         channel, self.channel = self.channel, None
         release_fd, self.release_fd = self.release_fd, -1
         buffers, self.buffers = self.buffers, []
+        self.adapters.clear()  # their views of the versions keep counts on the memory
         if conn is not None:
             shutdown_socket(conn.fileno())
             conn.close()
@@ -413,7 +415,7 @@ class TensorSetReader:
             memory_of(grant.buffer).arm(core.slot_events[slot], recorded)
         if version > core.taken:
             core.taken = version
-        return Snapshot(self.layout, version, slot, grant)
+        return Snapshot(self.layout, version, slot, grant, core.adapters)
 
     # -- ending ---------------------------------------------------------------------------
     def close(self) -> None:
@@ -462,15 +464,19 @@ class Snapshot(Mapping[str, TensorView]):
     (copy mode); then release it at once.
     """
 
-    __slots__ = ("__weakref__", "_family", "_grant", "_views", "layout", "slot", "version")
+    __slots__ = ("__weakref__", "_adapters", "_family", "_grant", "_views", "layout", "slot", "version")
 
-    def __init__(self, layout: Layout, version: int, slot: int, grant: _Grant) -> None:
+    def __init__(
+        self, layout: Layout, version: int, slot: int, grant: _Grant, adapters: dict[str, Any] | None = None
+    ) -> None:
         self.layout = layout
         self.version = version
         self.slot = slot
         self._grant: _Grant | None = grant
         self._views: dict[str, TensorView] = {}
         self._family: Any = Family()
+        # What adapters keep per version slot of this reader (gpushare.torch: tensors over it).
+        self._adapters: dict[str, Any] = {} if adapters is None else adapters
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -512,6 +518,19 @@ class Snapshot(Mapping[str, TensorView]):
 
     def __contains__(self, name: object) -> bool:
         return name in self.layout
+
+    def _version_buffer(self) -> Buffer:
+        """A plain Buffer (uint8, its own count) over this snapshot's version slot, for adapters
+        that keep their own views of each slot (``gpushare.torch``); the memory stays mapped
+        while they keep it, and holds whichever version the slot has at the time."""
+        return self._held().buffer.view()
+
+    def _order_stream(self, stream: int) -> None:
+        """Make ``stream`` (an int handle; CUDA) wait for this version's writes, with no host wait:
+        for views of the version made before it was published (an adapter's)."""
+        memory = memory_of(self._held().buffer)
+        memory.source.check(memory)  # the trainer's memory is still there (OwnerGoneError)
+        memory.order_stream(stream)
 
     def copy_to(self, targets: Mapping[str, Any], *, stream: object = None) -> None:
         """Copy tensors of this version into ``targets`` (names -> NumPy arrays, CUDA arrays or
