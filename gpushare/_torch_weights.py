@@ -39,14 +39,20 @@ How each works:
 * :func:`load_state_dict` copies a snapshot into a module's own parameters
   and buffers with :meth:`~gpushare.Snapshot.copy_to` on the current torch
   stream (one batched driver call; torch sees ordinary stream order).
+* :func:`draft_tensors` gives a draft's tensors as torch tensors, for a
+  trainer that writes its update in place (``d = ts.draft()``, write,
+  ``ts.publish(d)``): the same per-version tensors ``publish_state_dict``
+  copies into.
 * :func:`bind` makes each parameter and buffer of a module a tensor viewing
   the snapshot's memory (``param.data = view``; buffers are replaced), so
-  the module runs on the published weights with no copy; on CUDA the views
-  come through DLPack, so torch's stream waits for the version's ready
-  event. The module keeps the snapshot; the next ``bind`` releases the one
-  before, after every tensor points at the new one. Snapshots hold their
-  version while bound: an engine that binds holds one version at a time, so
-  a set for binding engines needs ``versions=2`` at least.
+  the module runs on the published weights with no copy. The tensors over
+  each version slot are made once per reader (through DLPack on CUDA) and
+  reused for every version later bound from that slot; each bind makes
+  torch's current stream wait for the version's ready event. The module
+  keeps the snapshot; the next ``bind`` releases the one before, after
+  every tensor points at the new one. Snapshots hold their version while
+  bound: an engine that binds holds one version at a time, so a set for
+  binding engines needs ``versions=2`` at least.
 
 torch is imported with this module; gpushare's core never imports it.
 """
@@ -55,6 +61,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 import torch
@@ -66,6 +73,7 @@ __all__ = [
     "as_tensor",
     "as_tensors",
     "bind",
+    "draft_tensors",
     "load_state_dict",
     "publish_state_dict",
     "state_dict_layout",
@@ -142,6 +150,29 @@ def as_tensors(snapshot: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     return {name: as_tensor(snapshot[name]) for name in snapshot}
 
 
+def draft_tensors(draft: Any) -> Mapping[str, torch.Tensor]:
+    """Every tensor of a draft (``ts.draft()``) as a torch tensor to write in place: a read-only
+    mapping of names to tensors, in microseconds.
+
+    The tensors are made once per version of the set and reused by every later
+    draft of that version (:func:`as_tensors` makes one per view, each time:
+    milliseconds for a model's worth of tensors on CUDA). They view the draft's
+    version but do not hold it: write them on the draft's ``stream`` while the
+    draft is out, then ``ts.publish(draft)``; once it is published or
+    released, writing them writes a version engines may hold. Raises
+    :class:`~gpushare.BufferReleasedError` for a draft already published or
+    released.
+    """
+    draft._out()  # the draft is still out
+    tensor_set = draft._set
+    names = tensor_set._adapters.setdefault("torch-names", {})
+    mapping = names.get(draft.slot)
+    if mapping is None:
+        tensors = _version_tensors(tensor_set, draft.slot)
+        mapping = names[draft.slot] = MappingProxyType(dict(zip(tensor_set.names, tensors, strict=True)))
+    return mapping  # type: ignore[no-any-return]
+
+
 def _stream_of(device: Any) -> Any:
     """torch's current stream on a CUDA ``device`` (an ordinal), or None on the host."""
     return torch.cuda.current_stream(device) if isinstance(device, int) else None
@@ -199,7 +230,8 @@ def _version_tensors(tensor_set: Any, slot: int) -> list[torch.Tensor]:
 
     Making a tensor from a Buffer costs tens of microseconds (DLPack); a trainer that
     publishes a 200-tensor state dict every step would pay milliseconds. These views are
-    written only by :func:`publish_state_dict`, while it holds a draft of that version.
+    written only while a draft of that version is out (:func:`publish_state_dict`,
+    :func:`draft_tensors`).
     """
     cache = tensor_set._adapters.setdefault("torch", {})
     tensors = cache.get(slot)

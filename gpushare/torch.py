@@ -48,13 +48,22 @@ import numpy as np
 from . import _loader
 from ._batch import SlotArray, SlotWriter
 from ._loader import SlotLoader
-from ._torch_weights import as_tensor, as_tensors, bind, load_state_dict, publish_state_dict, state_dict_layout
+from ._torch_weights import (
+    as_tensor,
+    as_tensors,
+    bind,
+    draft_tensors,
+    load_state_dict,
+    publish_state_dict,
+    state_dict_layout,
+)
 
 __all__ = [
     "DataLoader",
     "as_tensor",
     "as_tensors",
     "bind",
+    "draft_tensors",
     "load_state_dict",
     "publish_state_dict",
     "state_dict_layout",

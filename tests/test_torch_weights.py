@@ -15,7 +15,14 @@ from conftest import GPU_TIMEOUT, recv, run_guarded, wait_until
 torch = pytest.importorskip("torch")
 
 import gpushare as mp  # noqa: E402
-from gpushare.torch import as_tensors, bind, load_state_dict, publish_state_dict, state_dict_layout  # noqa: E402
+from gpushare.torch import (  # noqa: E402
+    as_tensors,
+    bind,
+    draft_tensors,
+    load_state_dict,
+    publish_state_dict,
+    state_dict_layout,
+)
 
 T = 60
 
@@ -128,6 +135,35 @@ def test_publish_and_load_and_bind_in_one_process(manager) -> None:
                 load_state_dict(other, snap)
             keys = load_state_dict(other, snap, strict=False)
             assert keys.missing_keys == ["weight", "bias"] and "fc1.weight" in keys.unexpected_keys
+        reader.close()
+
+
+def test_a_trainer_writes_its_update_into_a_draft_through_draft_tensors(manager) -> None:
+    """draft_tensors(): the draft's tensors as torch tensors (the same objects for every draft of a
+    version), written in place and published with no copy; refused once the draft is spent."""
+    trainer = Net()
+    with manager.tensor_set(state_dict_layout(trainer.state_dict()), versions=2, device="cpu") as ts:
+        reader = pickle.loads(pickle.dumps(ts))
+        seen = {}
+        for step in range(1, 5):
+            tw_step(trainer, step)
+            draft = ts.draft(timeout=5)
+            tensors = draft_tensors(draft)
+            assert list(tensors) == list(ts.names) and tensors["fc2.weight"].dtype == torch.bfloat16
+            assert seen.setdefault(draft.slot, tensors) is tensors  # made once per version
+            with pytest.raises(TypeError):
+                tensors["fc1.weight"] = torch.zeros(16, 8)  # read-only
+            with torch.no_grad():
+                for name, value in trainer.state_dict().items():
+                    tensors[name].copy_(value)
+            ts.publish(draft)
+            with pytest.raises(mp.BufferReleasedError, match="already published"):
+                draft_tensors(draft)
+            with reader.latest(timeout=5) as snap:
+                engine = Net()
+                load_state_dict(engine, snap)
+            assert tw_checksum(engine.state_dict()) == tw_checksum(trainer.state_dict())
+        assert sorted(seen) == [0, 1]
         reader.close()
 
 

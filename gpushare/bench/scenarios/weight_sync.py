@@ -118,8 +118,9 @@ HOW = (
     "zero-copy`: the same publish; an engine acks once it holds the new snapshot (its weights). `gpushare "
     "zero-copy, module bound`: the same, and the engine binds a module's parameters to the snapshot "
     "(`gpushare.torch.bind`, what an inference engine runs) before it acks. `gpushare "
-    "in-place publish`: `ts.draft()`, one small write, `ts.publish(draft)`, the trainer's call only (median of "
-    f"{INPLACE_ITERS} after {INPLACE_WARMUP}, with or without --quick). Engines "
+    "in-place publish`: `ts.draft()`, one small write through `gpushare.torch.draft_tensors`, "
+    f"`ts.publish(draft)`, the trainer's call only (median of {INPLACE_ITERS} after {INPLACE_WARMUP}, with or "
+    "without --quick). Engines "
     "copy with `copy_` per tensor and synchronize before they ack; the trainer's update between syncs is not "
     f"timed. Median of {ITERS} syncs after {WARMUP} ({ITERS_QUICK} after {WARMUP_QUICK} with --quick). A cell "
     f"runs only if its estimated device memory (layout x copies + {CONTEXT_BYTES // GiB} GiB per process) fits "
@@ -475,10 +476,10 @@ def run_cell(
 
         last_slot = -1
         if system == GS_INPLACE:
-            from ..._torch_weights import _version_tensors
+            from ...torch import draft_tensors
 
             assert ts is not None
-            smallest = min(range(len(names_shapes)), key=lambda i: math.prod(names_shapes[i][1]))
+            smallest = min(names_shapes, key=lambda item: math.prod(item[1]))[0]
             stream = torch.cuda.current_stream(dev) if cuda else None
             samples: list[int] = []
             clock = time.perf_counter_ns
@@ -486,7 +487,7 @@ def run_cell(
                 between()
                 t0 = clock()
                 draft = ts.draft(timeout=TIMEOUT, stream=stream)
-                _version_tensors(ts, draft.slot)[smallest].fill_(float(i))  # the trainer's write, in place
+                draft_tensors(draft)[smallest].fill_(float(i))  # the trainer's write, in place
                 last_slot = draft.slot
                 ts.publish(draft, stream=stream)
                 elapsed = clock() - t0
