@@ -67,10 +67,7 @@ class _Queries:
         True when done, False when not yet; None when this cannot answer (another
         context current, or an error: the caller asks again through cuda-bindings,
         which sets the context or reports the error with its name)."""
-        if key is None:
-            return None
-        current = ctypes.c_void_p()
-        if self.ctx(current) != _CUDA_SUCCESS or current.value != key:
+        if not self._current(key):
             return None
         err = query(handle)
         if err == _CUDA_SUCCESS:
@@ -86,9 +83,11 @@ class _Queries:
         the context or reports the error with its name (a failed record recorded
         nothing, so recording again is safe). ``stream`` is an int handle (0 and 1:
         the legacy default stream; 2: the per-thread one)."""
+        return self._current(key) and self.recorder(event, stream) == _CUDA_SUCCESS
+
+    def _current(self, key: int | None) -> bool:
+        """Whether the primary context ``key`` (its handle as an int) is current on this thread."""
         if key is None:
             return False
         current = ctypes.c_void_p()
-        if self.ctx(current) != _CUDA_SUCCESS or current.value != key:
-            return False
-        return bool(self.recorder(event, stream) == _CUDA_SUCCESS)
+        return self.ctx(current) == _CUDA_SUCCESS and current.value == key
