@@ -164,13 +164,7 @@ def draft_tensors(draft: Any) -> Mapping[str, torch.Tensor]:
     released.
     """
     draft._out()  # the draft is still out
-    tensor_set = draft._set
-    names = tensor_set._adapters.setdefault("torch-names", {})
-    mapping = names.get(draft.slot)
-    if mapping is None:
-        tensors = _version_tensors(tensor_set, draft.slot)
-        mapping = names[draft.slot] = MappingProxyType(dict(zip(tensor_set.names, tensors, strict=True)))
-    return mapping  # type: ignore[no-any-return]
+    return _version_tensors(draft._set, draft.slot)
 
 
 def _stream_of(device: Any) -> Any:
@@ -203,9 +197,9 @@ def publish_state_dict(
         on = torch.cuda.ExternalStream(int(on), device=device)  # an int CUstream handle
     draft = tensor_set.draft(timeout, stream=on)
     try:
-        dsts = _version_tensors(tensor_set, draft.slot)
-        srcs = []
-        for name, dst in zip(names, dsts, strict=True):
+        version = _version_tensors(tensor_set, draft.slot)
+        dsts, srcs = list(version.values()), []
+        for name, dst in version.items():
             src = state_dict[name]
             if src.shape != dst.shape or src.dtype != dst.dtype:
                 raise LayoutError(
@@ -225,47 +219,46 @@ def publish_state_dict(
     return int(tensor_set.publish(draft, stream=on))
 
 
-def _version_tensors(tensor_set: Any, slot: int) -> list[torch.Tensor]:
-    """Torch tensors over every tensor of version ``slot``, in layout order, made once per version.
+def _version_tensors(tensor_set: Any, slot: int) -> Mapping[str, torch.Tensor]:
+    """Torch tensors over every tensor of version ``slot`` (names -> tensors, read-only, in
+    layout order), made once per version.
 
     Making a tensor from a Buffer costs tens of microseconds (DLPack); a trainer that
     publishes a 200-tensor state dict every step would pay milliseconds. These views are
     written only while a draft of that version is out (:func:`publish_state_dict`,
     :func:`draft_tensors`).
     """
-    cache = tensor_set._adapters.setdefault("torch", {})
-    tensors = cache.get(slot)
-    if tensors is None:
-        tensors = cache[slot] = _slot_tensors(tensor_set._version_buffer(slot), tensor_set.layout)
-    return tensors  # type: ignore[no-any-return]
+    return _slot_tensors(tensor_set._adapters, slot, lambda: tensor_set._version_buffer(slot), tensor_set.layout)
 
 
-def _snapshot_tensors(snapshot: Any) -> list[torch.Tensor]:
-    """An engine's torch tensors over every tensor of ``snapshot``'s version slot, in layout
-    order, made once per slot in this reader (as :func:`_version_tensors` for the trainer).
+def _snapshot_tensors(snapshot: Any) -> Mapping[str, torch.Tensor]:
+    """An engine's torch tensors over every tensor of ``snapshot``'s version slot, made once per
+    slot in this reader (as :func:`_version_tensors` for the trainer).
 
     They hold no version: whoever uses them holds the snapshot (:func:`bind` keeps it in the
     module), and orders its stream after the snapshot's ready event (``_order_stream``).
     """
-    cache = snapshot._adapters.setdefault("torch", {})
-    tensors = cache.get(snapshot.slot)
+    return _slot_tensors(snapshot._adapters, snapshot.slot, snapshot._version_buffer, snapshot.layout)
+
+
+def _slot_tensors(adapters: dict[str, Any], slot: int, version_buffer: Any, layout: Any) -> Mapping[str, torch.Tensor]:
+    """The tensors of version ``slot`` kept in ``adapters`` (a set's or a reader's), made on first
+    use from ``version_buffer()`` (a Buffer over the version's bytes, released here: the tensors
+    keep a count of their own on the memory)."""
+    cache = adapters.setdefault("torch", {})
+    tensors = cache.get(slot)
     if tensors is None:
-        tensors = cache[snapshot.slot] = _slot_tensors(snapshot._version_buffer(), snapshot.layout)
+        buffer = version_buffer()
+        try:
+            flat = torch.from_numpy(buffer.numpy()) if buffer.device == "cpu" else torch.from_dlpack(buffer)
+        finally:
+            buffer.release()
+        made = {}
+        for name, spec in layout.items():
+            dtype = getattr(torch, spec.tag or spec.dtype.name)
+            made[name] = flat[spec.offset : spec.offset + spec.nbytes].view(dtype).view(spec.shape)
+        tensors = cache[slot] = MappingProxyType(made)
     return tensors  # type: ignore[no-any-return]
-
-
-def _slot_tensors(buffer: Any, layout: Any) -> list[torch.Tensor]:
-    """One tensor per spec of ``layout`` over ``buffer`` (a version's bytes), which it releases:
-    the tensors keep a count of their own on the memory."""
-    try:
-        flat = torch.from_numpy(buffer.numpy()) if buffer.device == "cpu" else torch.from_dlpack(buffer)
-    finally:
-        buffer.release()
-    tensors = []
-    for spec in layout.values():
-        dtype = getattr(torch, spec.tag or spec.dtype.name)
-        tensors.append(flat[spec.offset : spec.offset + spec.nbytes].view(dtype).view(spec.shape))
-    return tensors
 
 
 def _match(module: torch.nn.Module, snapshot: Mapping[str, Any], strict: bool) -> tuple[Any, IncompatibleKeys]:
@@ -329,9 +322,10 @@ def bind(module: torch.nn.Module, snapshot: Any, *, strict: bool = True) -> Inco
         cached = _snapshot_tensors(snapshot)
         # A tensor object per bind (detach: same memory, no copy), so that modules bound to one
         # slot share no tensor object (a buffer is the module's own after this).
-        tensors = {name: t.detach() for name, t in zip(snapshot.layout, cached, strict=True) if name in own}
-        if cached and cached[0].is_cuda:
-            snapshot._order_stream(torch.cuda.current_stream(cached[0].device).cuda_stream)
+        tensors = {name: t.detach() for name, t in cached.items() if name in own}
+        first = next(iter(cached.values()), None)
+        if first is not None and first.is_cuda:
+            snapshot._order_stream(torch.cuda.current_stream(first.device).cuda_stream)
     else:
         tensors = {name: as_tensor(snapshot[name]) for name in snapshot if name in own}
     for name, tensor in tensors.items():

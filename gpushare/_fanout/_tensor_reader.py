@@ -466,9 +466,7 @@ class Snapshot(Mapping[str, TensorView]):
 
     __slots__ = ("__weakref__", "_adapters", "_family", "_grant", "_views", "layout", "slot", "version")
 
-    def __init__(
-        self, layout: Layout, version: int, slot: int, grant: _Grant, adapters: dict[str, Any] | None = None
-    ) -> None:
+    def __init__(self, layout: Layout, version: int, slot: int, grant: _Grant, adapters: dict[str, Any]) -> None:
         self.layout = layout
         self.version = version
         self.slot = slot
@@ -476,7 +474,7 @@ class Snapshot(Mapping[str, TensorView]):
         self._views: dict[str, TensorView] = {}
         self._family: Any = Family()
         # What adapters keep per version slot of this reader (gpushare.torch: tensors over it).
-        self._adapters: dict[str, Any] = {} if adapters is None else adapters
+        self._adapters = adapters
 
     @property
     def names(self) -> tuple[str, ...]:

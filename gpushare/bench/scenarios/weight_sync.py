@@ -504,7 +504,7 @@ def run_cell(
         if system == GS_INPLACE:
             from ..._torch_weights import _version_tensors
 
-            expected = _checksums(torch, _version_tensors(ts, last_slot))
+            expected = _checksums(torch, list(_version_tensors(ts, last_slot).values()))
         elif system == LOCAL:
             expected = None  # each engine compares its copy with its own bucket
         else:
