@@ -186,6 +186,29 @@ def _bench(tmp_path: Path, *args: str, timeout: float = 200) -> subprocess.Compl
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
 
 
+def test_a_run_killed_half_way_leaves_the_cells_it_measured(tmp_path: Path) -> None:
+    """The reports are written after every cell of the first round, marked as cut short, so a
+    run stopped by a time limit keeps what it measured."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "gpushare.bench", "--backend", "host", "--quick", "--iters", "3"]
+    cmd += ["--consumers", "1", "--only", "host", "--out", str(tmp_path)]
+    with subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            deadline = time.monotonic() + 90
+            assert proc.stderr is not None
+            for line in proc.stderr:  # progress lines: "[ 2/N] floors | ..."
+                if "] floors | mp.Queue | 1: median" in line or time.monotonic() > deadline:
+                    break
+        finally:
+            proc.kill()
+            proc.wait(timeout=30)
+    report = json.loads((tmp_path / "benchmarks.json").read_text(encoding="utf-8"))
+    assert report["meta"]["partial"].startswith("2 of ")
+    floors = report["scenarios"]["floors"]["systems"]
+    assert {"mp.Pipe", "mp.Queue"} <= set(floors)
+    assert "cut short | written after 2 of" in (tmp_path / "benchmarks.md").read_text(encoding="utf-8")
+
+
 def test_rounds_pool_every_cell_and_rewrite_the_reports(tmp_path: Path) -> None:
     """--rounds runs every cell once per round, in order, and each cell's figures are over
     the samples of all its rounds."""

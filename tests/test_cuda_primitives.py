@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import gc
 import mmap
 import random
 import subprocess
@@ -113,7 +114,10 @@ def test_a_registered_mmap_is_pinned_copies_from_it_and_unregisters() -> None:
             except ImportError:
                 pass
             else:
-                assert torch.frombuffer(m, dtype=torch.uint8).is_pinned(), "torch does not see the range as pinned"
+                torch.cuda.init()  # is_pinned() says False, whatever the range, before torch's CUDA starts
+                seen = torch.frombuffer(m, dtype=torch.uint8)
+                assert seen.is_pinned(), "torch does not see the range as pinned"
+                del seen  # it exports the mmap: close() below refuses while it lives
             _cuda.memcpy_htod_async(dev, ptr, n, 0, stream)
             _cuda.stream_synchronize(stream, 0)
         finally:
@@ -124,6 +128,7 @@ def test_a_registered_mmap_is_pinned_copies_from_it_and_unregisters() -> None:
         _cuda.stream_destroy(stream, 0)
         _cuda.mem_free(dev, 0)
         del view
+        gc.collect()  # anything else still viewing the mmap (a failed assertion's frame)
         m.close()
 
 
@@ -186,6 +191,98 @@ def test_memcpy_batch_async_makes_fifty_copies_of_different_sizes(source: str, o
             _cuda.host_free(src)
         else:
             _cuda.mem_free(src, 0)
+
+
+def _kernel_layout(rng: np.random.Generator) -> tuple[list[int], list[int], list[int], int, int]:
+    """200 copies for the copy kernel (three launches): sizes around its chunk and word edges
+    and random ones, half of them at odd addresses on one side or the other."""
+    from gpushare._cuda._kernels import CHUNK
+
+    edges = [0, 1, 15, 16, 17, 31, 4096, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 5, MiB + 3]
+    sizes = edges + [int(n) for n in rng.integers(1, 200_000, 200 - len(edges))]
+    dst_offsets, src_offsets, dst_end, src_end = [], [], 0, 0
+    for i, size in enumerate(sizes):
+        dst_end = (dst_end + 64 + 15) // 16 * 16 + (3 if i % 4 == 1 else 0)  # a gap before each
+        src_end = (src_end + 15) // 16 * 16 + (1 if i % 4 == 2 else 0)
+        dst_offsets.append(dst_end)
+        src_offsets.append(src_end)
+        dst_end += size
+        src_end += size
+    return dst_offsets, src_offsets, sizes, dst_end + 64, src_end
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("on", ["created stream", "legacy stream"])
+def test_the_copy_kernel_makes_two_hundred_copies_of_every_awkward_size_and_alignment(on: str) -> None:
+    from gpushare._cuda import _kernels
+
+    seed = random.randrange(2**32)
+    rng = np.random.default_rng(seed)
+    dst_offsets, src_offsets, sizes, dst_size, src_size = _kernel_layout(rng)
+    src_data, dst_data = _random_bytes(rng, src_size), _random_bytes(rng, dst_size)
+    src, dst = _cuda.mem_alloc(src_size, 0), _cuda.mem_alloc(dst_size, 0)
+    stream = _cuda.stream_create(0) if on == "created stream" else 0
+    try:
+        _cuda.memcpy_htod(src, src_data.ctypes.data, src_size, 0)
+        _cuda.memcpy_htod(dst, dst_data.ctypes.data, dst_size, 0)
+        dsts, srcs = [dst + o for o in dst_offsets], [src + o for o in src_offsets]
+        _cuda.memcpy_batch_async(dsts, srcs, sizes, 0, stream, kernel=True)
+        assert _kernels.kernel_status(0) == "ready", f"the copy kernel was not used: {_kernels.kernel_status(0)}"
+        _cuda.stream_synchronize(stream, 0)
+        expected = dst_data.copy()
+        for d, s_, size in zip(dst_offsets, src_offsets, sizes, strict=True):
+            expected[d : d + size] = src_data[s_ : s_ + size]
+        np.testing.assert_array_equal(_read(dst, dst_size), expected, err_msg=f"seed {seed}")
+    finally:
+        if stream:
+            _cuda.stream_destroy(stream, 0)
+        _cuda.mem_free(dst, 0)
+        _cuda.mem_free(src, 0)
+
+
+_KERNEL_SCRIPT = """
+import os, sys, numpy as np
+sys.path.insert(0, sys.argv[1])
+from gpushare import _cuda
+from gpushare._cuda import _kernels
+n = 3 * 1024 * 1024 + 7
+data = np.random.default_rng(5).integers(1, 256, n, dtype=np.uint8)
+src, dst = _cuda.mem_alloc(n, 0), _cuda.mem_alloc(n, 0)
+_cuda.memcpy_htod(src, data.ctypes.data, n, 0)
+half = n // 2
+_cuda.memcpy_batch_async([dst, dst + half], [src, src + half], [half, n - half], 0, 0, kernel=True)
+_cuda.synchronize(0)
+out = np.zeros(n, np.uint8)
+_cuda.memcpy_dtoh(out.ctypes.data, dst, n, 0)
+print(_kernels.kernel_status(0), "same" if (out == data).all() else "DIFFERENT")
+"""
+
+
+@pytest.mark.gpu
+def test_the_copy_kernel_is_compiled_once_then_loaded_from_disk_and_can_be_turned_off(tmp_path: Path) -> None:
+    """A fresh process compiles it (NVRTC) and keeps the cubin under $XDG_CACHE_HOME/gpushare; the
+    next loads that file; GPUSHARE_COPY_KERNEL=0 turns it off, and the driver's calls copy."""
+    import os
+
+    def run(**env: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "-c", _KERNEL_SCRIPT, str(ROOT)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "XDG_CACHE_HOME": str(tmp_path), **env},
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    assert run() == "ready same"
+    cubins = list((tmp_path / "gpushare").glob("copy-regions-sm_*.cubin"))
+    assert len(cubins) == 1 and cubins[0].stat().st_size > 0
+    cubins[0].write_bytes(cubins[0].read_bytes())  # still the same kernel, read from the file
+    made = cubins[0].stat().st_mtime_ns
+    assert run() == "ready same"
+    assert cubins[0].stat().st_mtime_ns == made, "the second process compiled the kernel again"
+    assert run(GPUSHARE_COPY_KERNEL="0") == "off: GPUSHARE_COPY_KERNEL=0 same"
 
 
 @pytest.mark.gpu
@@ -578,6 +675,60 @@ def test_a_plain_event_is_not_interprocess_and_a_destroyed_stream_leaves_the_cac
     _cuda.stream_destroy(STREAM, 0)
     assert STREAM not in _driver._stream_handles
     assert ("cuStreamDestroy", FakeDriver.CUstream(STREAM)) in fake.calls
+
+
+def test_the_copy_kernel_is_only_asked_for_device_copies_of_two_or_more(
+    fake: FakeDriver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kernel=True with one copy, or the kernel turned off, goes to the driver's copies; the
+    reason it is off is kept, and it is not tried again."""
+    from gpushare._cuda import _kernels
+
+    monkeypatch.setattr(_driver, "_kernels", {})
+    monkeypatch.setattr(_driver, "_kernel_errors", {})
+    monkeypatch.setenv("GPUSHARE_COPY_KERNEL", "0")
+    assert _kernels.kernel_status(0) == "not built"
+    one = Copies(count=1)
+    dst, src = one.dst.ctypes.data, one.src.ctypes.data
+    _cuda.memcpy_batch_async([dst + one.dst_offsets[0]], [src + one.src_offsets[0]], one.sizes, 0, STREAM, kernel=True)
+    one.check()
+    assert _kernels.kernel_status(0) == "not built"  # one copy: the kernel was not asked for
+    for _ in range(2):
+        copies = Copies()
+        dst, src = copies.dst.ctypes.data, copies.src.ctypes.data
+        dsts, srcs = [dst + o for o in copies.dst_offsets], [src + o for o in copies.src_offsets]
+        _cuda.memcpy_batch_async(dsts, srcs, copies.sizes, 0, STREAM, kernel=True)
+        copies.check()
+    assert _kernels.kernel_status(0) == "off: GPUSHARE_COPY_KERNEL=0"
+    assert fake.names() == ["cuMemcpyBatchAsync"] * 3
+
+
+def test_a_copy_kernel_the_driver_refuses_to_launch_is_given_up_and_the_driver_copies(
+    fake: FakeDriver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A refused first launch (too many resources on some other GPU, say) queues nothing: that
+    batch, and every later one, goes to the driver's copies, and the reason is kept."""
+    from gpushare._cuda import _kernels
+
+    launches: list[tuple[Any, ...]] = []
+
+    def refuse(*args: Any) -> tuple[int]:
+        launches.append(args)
+        return (FakeDriver.CUresult.CUDA_ERROR_NOT_SUPPORTED,)
+
+    fake.cuLaunchKernel = refuse  # type: ignore[attr-defined]
+    fake.cuGetErrorName = lambda err: (0, b"CUDA_ERROR_NOT_SUPPORTED")  # type: ignore[attr-defined]
+    monkeypatch.setattr(_driver, "_kernels", {0: ("kernel", 264)})  # as if built
+    monkeypatch.setattr(_driver, "_kernel_errors", {})
+    for _ in range(2):
+        copies = Copies(count=150)  # two launches' worth: the first is refused
+        dst, src = copies.dst.ctypes.data, copies.src.ctypes.data
+        dsts, srcs = [dst + o for o in copies.dst_offsets], [src + o for o in copies.src_offsets]
+        _cuda.memcpy_batch_async(dsts, srcs, copies.sizes, 0, STREAM, kernel=True)
+        copies.check()
+    assert len(launches) == 1 and launches[0][0] == "kernel" and launches[0][4] == _kernels.THREADS
+    assert _kernels.kernel_status(0) == "off: cuLaunchKernel refused it (CUDA_ERROR_NOT_SUPPORTED)"
+    assert fake.names() == ["cuMemcpyBatchAsync"] * 2
 
 
 def test_importing_the_package_loads_no_driver_and_nothing_heavy() -> None:

@@ -200,6 +200,56 @@ def test_bind_maps_each_version_slot_once_and_shares_no_tensor_between_modules(m
         assert adapters == {}
 
 
+def test_bind_follows_a_module_whose_tensors_change_between_binds(manager) -> None:
+    """bind() remembers where each tensor goes in the module; a submodule, parameter or buffer
+    replaced, added or removed after a bind is seen by the next one, as by the first."""
+    trainer = Net()
+    with manager.tensor_set(state_dict_layout(trainer.state_dict()), versions=2, device="cpu") as ts:
+        reader = pickle.loads(pickle.dumps(ts))
+        engine = Net()
+
+        def next_version(step: int):
+            tw_step(trainer, step)
+            publish_state_dict(ts, trainer.state_dict(), timeout=5)
+            return reader.latest(timeout=5)
+
+        def views_it(tensor: torch.Tensor, snap, name: str) -> bool:
+            return tensor.data_ptr() == as_tensors(snap)[name].data_ptr()
+
+        snap = next_version(1)
+        bind(engine, snap)
+        plan = engine.__dict__["_gpushare_bind_plan"]
+        snap = next_version(2)
+        bind(engine, snap)
+        assert engine.__dict__["_gpushare_bind_plan"] is plan  # checked, not worked out again
+        assert tw_checksum(engine.state_dict()) == tw_checksum(trainer.state_dict())
+
+        engine.fc1 = torch.nn.Linear(8, 16)  # a new submodule in an old one's place
+        engine.norm.running_mean = torch.zeros(16)  # a buffer replaced
+        del snap
+        snap = next_version(3)
+        bind(engine, snap)
+        assert engine.__dict__["_gpushare_bind_plan"] is not plan
+        assert views_it(engine.fc1.weight, snap, "fc1.weight")
+        assert views_it(engine.norm.running_mean, snap, "norm.running_mean")
+        assert tw_checksum(engine.state_dict()) == tw_checksum(trainer.state_dict())
+
+        engine.extra = torch.nn.Parameter(torch.zeros(2))  # the snapshot has no such tensor
+        del snap
+        snap = next_version(4)
+        with pytest.raises(mp.LayoutError, match="extra"):
+            bind(engine, snap)
+        keys = bind(engine, snap, strict=False)
+        assert keys.missing_keys == ["extra"] and keys.unexpected_keys == []
+        del engine.extra
+        bind(engine, snap)  # strict again once it is gone
+        assert tw_checksum(engine.state_dict()) == tw_checksum(trainer.state_dict())
+        del snap
+        engine.__dict__.pop("_gpushare_snapshot").release()
+        assert ts.stats()["held"] == {}
+        reader.close()
+
+
 @pytest.mark.parametrize("engine", ["copy", "bind"])
 def test_engines_in_processes_follow_the_trainers_state_dict(manager, reap, engine) -> None:
     trainer = Net()

@@ -42,6 +42,7 @@ The modules, by concern:
 * :mod:`._queries`: the GIL-keeping calls, imported when the driver loads.
 * :mod:`._device_memory`: device allocations, legacy IPC handles, VMM, IPC pools.
 * :mod:`._copies`: synchronous and asynchronous copies, page-locked host memory.
+* :mod:`._kernels`: gpushare's one kernel, many device-to-device copies in one launch.
 * :mod:`._streams`: streams, events (interprocess and plain), their queries.
 
 Everything public is re-exported here, and the rest of gpushare calls it as
@@ -104,6 +105,7 @@ from ._driver import (
     start_context,
     supports,
 )
+from ._kernels import kernel_status as copy_kernel_status
 from ._streams import (
     event_create,
     event_create_ipc,
@@ -126,6 +128,7 @@ __all__ = [
     "available",
     "bindings_version",
     "can_access_peer",
+    "copy_kernel_status",
     "device_count",
     "device_name",
     "device_total_memory",

@@ -24,6 +24,7 @@ and returns once it has read the source.
 
 from __future__ import annotations
 
+from . import _kernels
 from ._driver import _check, _enter, _stream, on_device
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing
@@ -164,13 +165,24 @@ def memcpy_async(dst: int, src: int, nbytes: int, ordinal: int, stream: int) -> 
 
 
 def memcpy_batch_async(
-    dsts: list[int], srcs: list[int], sizes: list[int], ordinal: int, stream: int, *, batch: bool = True
+    dsts: list[int],
+    srcs: list[int],
+    sizes: list[int],
+    ordinal: int,
+    stream: int,
+    *,
+    batch: bool = True,
+    kernel: bool = False,
 ) -> None:
     """Queue the copies ``srcs[i] -> dsts[i]`` of ``sizes[i]`` bytes on ``stream``, not waiting.
 
     The copies are not ordered among themselves, so none may read what another
     writes. Which path runs:
 
+    * gpushare's copy kernel (:mod:`._kernels`), one launch per 96 copies,
+      where the caller says ``kernel=True`` (every pointer is device memory
+      that ``ordinal``'s context reaches: no host memory, no other GPU's),
+      there are two copies or more, and the kernel could be built here;
     * ``cuMemcpyBatchAsync`` (CUDA 12.8 and later), one driver call for all of
       them, with every source read in stream order;
     * otherwise one ``cuMemcpyAsync`` per copy: where the caller says ``batch=False``
@@ -194,6 +206,8 @@ def memcpy_batch_async(
             f"got {count} destinations, {len(srcs)} sources, {len(sizes)} sizes"
         )
     if not count:
+        return
+    if kernel and count > 1 and _kernels.copy_regions(dsts, srcs, sizes, ordinal, stream):
         return
     driver, pushed = _enter(ordinal)
     try:

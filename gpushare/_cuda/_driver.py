@@ -3,7 +3,8 @@
 Every piece of module-level state of ``gpushare._cuda`` lives here: the loaded
 driver module (:data:`_bindings`), the result codes cached at load, the
 GIL-keeping queries (:data:`_queries`), the primary contexts, the UUID and
-ordinal caches and the stream handle cache. Most of it is set lazily, so the
+ordinal caches, the stream handle cache and the copy kernel loaded per
+device (:mod:`._kernels`). Most of it is set lazily, so the
 other modules of the package read it as ``_driver.<name>`` at call time (one
 attribute lookup) and never copy it at import.
 
@@ -43,6 +44,8 @@ _primary_ints: dict[int, int] = {}  # ordinal -> that context as an int (what cu
 _uuids: dict[int, bytes] = {}
 _ordinals: dict[bytes, int] = {}  # device UUID -> ordinal here (every first mapping asks)
 _stream_handles: dict[int, Any] = {}  # int stream handle -> the driver's CUstream for it
+_kernels: dict[int, Any] = {}  # ordinal -> (CUfunction, blocks) of the region-copy kernel, or None (see _kernels)
+_kernel_errors: dict[int, str] = {}  # ordinal -> why that kernel could not be had
 
 _NO_GPU_HINT = (
     "Use device='cpu' (or set GPUSHARE_BACKEND=host) to share host memory instead, "

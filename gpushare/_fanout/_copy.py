@@ -384,7 +384,7 @@ def copy_regions(
                 _cuda.stream_wait_event(ours, event, ordinal)
         for memory in orders:
             memory.order_stream(ours)
-        _cuda.memcpy_batch_async(dsts, srcs, sizes, ordinal, ours, batch=not peer)
+        _cuda.memcpy_batch_async(dsts, srcs, sizes, ordinal, ours, batch=not peer, kernel=not host)
         end = private.done if done is None else done
         _cuda.event_record(end, ordinal, ours)
         _cuda.stream_wait_event(stream, end, ordinal)

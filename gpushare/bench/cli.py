@@ -208,7 +208,13 @@ def main(argv: list[str] | None = None) -> int:
         if done < cfg.rounds:
             _progress(f"gpushare.bench: round {done} of {cfg.rounds} done; reports written to {cfg.out}/")
 
-    bench.run(after_round=write)  # the first round always runs, so the reports are written
+    def partial(done: int, total: int) -> None:  # a run cut short keeps the cells it measured
+        bench.meta["partial"] = f"{done} of {total} cells of the first round"
+        bench.meta["elapsed_s"] = round(time.monotonic() - started, 1)
+        write_reports(bench, cfg.out, plot=False)
+        bench.meta.pop("partial", None)
+
+    bench.run(after_round=write, after_cell=partial)  # the first round always runs, so the reports are written
     _progress(f"gpushare.bench: done in {bench.meta['elapsed_s']} s; wrote {cfg.out}/benchmarks.md, .json")
     _progress(plot_note)
     return 0
@@ -304,16 +310,19 @@ def _latest_owner(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out[::-1]
 
 
-def write_reports(bench: Bench, out: str) -> str:
+def write_reports(bench: Bench, out: str, *, plot: bool = True) -> str:
     """Write benchmarks.png, .json and .md from what ``bench`` has so far; return the plot's note.
+    ``plot=False`` (after each cell) leaves the plot for the end of the round.
 
     A report that fails to render must not lose the measurements: the JSON falls back to
     the raw results, and the Markdown to a pointer at the JSON."""
     os.makedirs(out, exist_ok=True)
-    try:
-        plot_note = render_plot(bench.scenarios, bench.meta, os.path.join(out, "benchmarks.png"))
-    except Exception as exc:  # a plot must never cost the measurements
-        plot_note = f"No plot: drawing it failed ({type(exc).__name__}: {exc})."
+    plot_note = "No plot yet: the run has not finished its first round."
+    if plot:
+        try:
+            plot_note = render_plot(bench.scenarios, bench.meta, os.path.join(out, "benchmarks.png"))
+        except Exception as exc:  # a plot must never cost the measurements
+            plot_note = f"No plot: drawing it failed ({type(exc).__name__}: {exc})."
     try:
         report = render_json(bench.scenarios, bench.meta)
     except Exception as exc:

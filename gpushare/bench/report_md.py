@@ -50,9 +50,12 @@ def render_markdown(scenarios: dict[str, Scenario], meta: dict[str, Any], plot_n
         ("gpushare backend", "backend"),
         ("gpushare CUDA backends", "backends"),
         ("GPUs", "gpus"),
+        ("gpushare's copy kernel", "copy_kernel"),
         ("CPUs", "cpus"),
         ("platform", "platform"),
     ):
+        if key == "copy_kernel" and key not in meta:
+            continue  # runs before the kernel (2026-11-26) or on the host
         lines.append(f"| {label} | {meta.get(key)} |")
     lines.append(
         f"| iterations | {meta['iters']} timed after {meta['warmup']} warm-up "
@@ -64,6 +67,8 @@ def render_markdown(scenarios: dict[str, Scenario], meta: dict[str, Any], plot_n
             f"| rounds | {run} of {rounds} run: every cell once per round, in the same order; a cell's median "
             "and p90 are over its samples of all rounds |"
         )
+    if meta.get("partial"):
+        lines.append(f"| cut short | written after {meta['partial']}: the cells after it were not measured |")
     runs = meta.get("runs") or []
     if len(runs) > 1:
         lines += [

@@ -92,6 +92,9 @@ class Bench:
                 if cfg.backend == "host":
                     meta["device"] += ", unused: host backend"
             meta["driver"] = _nvidia_driver() or meta["cuda_driver_api"]
+            if cfg.backend != "host":
+                with contextlib.suppress(Exception):  # what the weight-sync copies run on here
+                    meta["copy_kernel"] = _cuda.copy_kernel_status(0, build=True)
         self.meta = meta
 
     def manager(self) -> Any:
@@ -147,8 +150,13 @@ class Bench:
         self.tasks.append(Task(scenario, system, row, run, skip, cell))
 
     # -- run -----------------------------------------------------------------------
-    def run(self, after_round: Callable[[int], None] | None = None) -> None:
-        """Run every task once per round, in the planned order; ``after_round(r)`` after each.
+    def run(
+        self,
+        after_round: Callable[[int], None] | None = None,
+        after_cell: Callable[[int, int], None] | None = None,
+    ) -> None:
+        """Run every task once per round, in the planned order; ``after_round(r)`` after each,
+        and ``after_cell(done, total)`` after each cell of the first round that ran.
 
         With several rounds, a cell's samples are pooled over the rounds it ran in: each
         round measures every system and its floor minutes apart at most, so a slow drift
@@ -168,12 +176,12 @@ class Bench:
                             f"per round it would end past --max-seconds {cfg.max_seconds:g}"
                         )
                         break
-                self._run_round(r)
+                self._run_round(r, after_cell if r == 1 else None)
                 self.meta["rounds_run"] = r
                 if after_round is not None:
                     after_round(r)
 
-    def _run_round(self, r: int) -> None:
+    def _run_round(self, r: int, after_cell: Callable[[int, int], None] | None = None) -> None:
         total = len(self.tasks)
         width = len(str(total))
         tag = f"r{r} " if self.cfg.rounds > 1 else ""
@@ -225,6 +233,8 @@ class Bench:
                 (scenario.row_errors if series is None else series.errors)[t.row] = message
                 _progress(f"{head}: ERROR {message}")
                 continue
+            if after_cell is not None:  # before the line: a cell reported is a cell saved
+                after_cell(index, total)
             _progress(f"{head}: {summary}")
 
     def _drop_row(self, scenario: Scenario, row: str) -> None:
