@@ -240,6 +240,37 @@ def test_the_copy_kernel_makes_two_hundred_copies_of_every_awkward_size_and_alig
         _cuda.mem_free(src, 0)
 
 
+@pytest.mark.multigpu
+def test_the_copy_kernel_is_built_for_each_device_and_copies_on_each() -> None:
+    """Device 1 first, then 0: each device's primary context gets its own module, and a copy on
+    one device runs the kernel built for it."""
+    from gpushare._cuda import _kernels
+
+    seed = random.randrange(2**32)
+    rng = np.random.default_rng(seed)
+    for ordinal in (1, 0):
+        dst_offsets, src_offsets, sizes, dst_size, src_size = _kernel_layout(rng)
+        src_data, dst_data = _random_bytes(rng, src_size), _random_bytes(rng, dst_size)
+        src, dst = _cuda.mem_alloc(src_size, ordinal), _cuda.mem_alloc(dst_size, ordinal)
+        try:
+            _cuda.memcpy_htod(src, src_data.ctypes.data, src_size, ordinal)
+            _cuda.memcpy_htod(dst, dst_data.ctypes.data, dst_size, ordinal)
+            dsts, srcs = [dst + o for o in dst_offsets], [src + o for o in src_offsets]
+            _cuda.memcpy_batch_async(dsts, srcs, sizes, ordinal, 0, kernel=True)
+            assert _kernels.kernel_status(ordinal) == "ready", _kernels.kernel_status(ordinal)
+            _cuda.synchronize(ordinal)
+            expected = dst_data.copy()
+            for d, s_, size in zip(dst_offsets, src_offsets, sizes, strict=True):
+                expected[d : d + size] = src_data[s_ : s_ + size]
+            out = np.zeros(dst_size, np.uint8)
+            _cuda.memcpy_dtoh(out.ctypes.data, dst, dst_size, ordinal)
+            np.testing.assert_array_equal(out, expected, err_msg=f"device {ordinal}, seed {seed}")
+        finally:
+            _cuda.mem_free(dst, ordinal)
+            _cuda.mem_free(src, ordinal)
+    assert _driver._kernels[0][0] is not _driver._kernels[1][0]
+
+
 _KERNEL_SCRIPT = """
 import os, sys, numpy as np
 sys.path.insert(0, sys.argv[1])
@@ -261,7 +292,8 @@ print(_kernels.kernel_status(0), "same" if (out == data).all() else "DIFFERENT")
 @pytest.mark.gpu
 def test_the_copy_kernel_is_compiled_once_then_loaded_from_disk_and_can_be_turned_off(tmp_path: Path) -> None:
     """A fresh process compiles it (NVRTC) and keeps the cubin under $XDG_CACHE_HOME/gpushare; the
-    next loads that file; GPUSHARE_COPY_KERNEL=0 turns it off, and the driver's calls copy."""
+    next loads that file; a damaged file is compiled again and replaced; GPUSHARE_COPY_KERNEL=0
+    turns it off, and the driver's calls copy."""
     import os
 
     def run(**env: str) -> str:
@@ -277,11 +309,13 @@ def test_the_copy_kernel_is_compiled_once_then_loaded_from_disk_and_can_be_turne
 
     assert run() == "ready same"
     cubins = list((tmp_path / "gpushare").glob("copy-regions-sm_*.cubin"))
-    assert len(cubins) == 1 and cubins[0].stat().st_size > 0
-    cubins[0].write_bytes(cubins[0].read_bytes())  # still the same kernel, read from the file
+    assert len(cubins) == 1 and cubins[0].read_bytes()[:4] == b"\x7fELF"
     made = cubins[0].stat().st_mtime_ns
     assert run() == "ready same"
     assert cubins[0].stat().st_mtime_ns == made, "the second process compiled the kernel again"
+    cubins[0].write_bytes(b"not a cubin")
+    assert run() == "ready same"
+    assert cubins[0].read_bytes()[:4] == b"\x7fELF", "the damaged file was not replaced"
     assert run(GPUSHARE_COPY_KERNEL="0") == "off: GPUSHARE_COPY_KERNEL=0 same"
 
 

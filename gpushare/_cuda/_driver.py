@@ -46,6 +46,7 @@ _ordinals: dict[bytes, int] = {}  # device UUID -> ordinal here (every first map
 _stream_handles: dict[int, Any] = {}  # int stream handle -> the driver's CUstream for it
 _kernels: dict[int, Any] = {}  # ordinal -> (CUfunction, blocks) of the region-copy kernel, or None (see _kernels)
 _kernel_errors: dict[int, str] = {}  # ordinal -> why that kernel could not be had
+_kernel_lock = _thread.allocate_lock()  # held while one is built
 
 _NO_GPU_HINT = (
     "Use device='cpu' (or set GPUSHARE_BACKEND=host) to share host memory instead, "

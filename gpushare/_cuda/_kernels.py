@@ -204,7 +204,7 @@ def _kernel(ordinal: int) -> tuple[Any, int] | None:
     found = _driver._kernels.get(ordinal, False)
     if found is not False:
         return found
-    with _driver._lock:
+    with _driver._kernel_lock:  # not the driver's own lock: a compile takes 0.3 s
         found = _driver._kernels.get(ordinal, False)
         if found is not False:
             return found
@@ -237,17 +237,27 @@ def _build(ordinal: int) -> tuple[Any, int]:
     major = get(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
     minor = get(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)
     sms = get(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-    cubin = _cubin(f"sm_{major}{minor}")
+    arch = f"sm_{major}{minor}"
+    cubin, cached = _cubin(arch)
+    err, module = _load_module(driver, ordinal, cubin)
+    if err != driver.CUresult.CUDA_SUCCESS and cached:  # a damaged file: compile it again
+        cubin, _ = _cubin(arch, fresh=True)
+        err, module = _load_module(driver, ordinal, cubin)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise _UnavailableError(f"cuModuleLoadData refused the kernel ({_driver._error_name(driver, err)})")
     with _driver.on_device(ordinal):
-        err, module = driver.cuModuleLoadData(cubin)
-        if err != driver.CUresult.CUDA_SUCCESS:
-            raise _UnavailableError(f"cuModuleLoadData refused the kernel ({_driver._error_name(driver, err)})")
         function = _check("cuModuleGetFunction", driver.cuModuleGetFunction(module, NAME))
     return function, max(1, sms) * BLOCKS_PER_SM
 
 
-def _cubin(arch: str) -> bytes:
-    """The kernel compiled for ``arch``, from the disk cache or NVRTC."""
+def _load_module(driver: Any, ordinal: int, cubin: bytes) -> tuple[Any, Any]:
+    with _driver.on_device(ordinal):
+        return driver.cuModuleLoadData(cubin)  # type: ignore[no-any-return]
+
+
+def _cubin(arch: str, *, fresh: bool = False) -> tuple[bytes, bool]:
+    """The kernel compiled for ``arch`` and whether it came from the disk cache (``fresh``: compile
+    it with NVRTC whatever the cache holds, and replace the file)."""
     try:
         from cuda.bindings import nvrtc
     except ImportError as e:  # cuda-bindings without its nvrtc module
@@ -261,11 +271,12 @@ def _cubin(arch: str) -> bytes:
     key = hashlib.sha256(f"{_SOURCE}\0{arch}\0{major}.{minor}".encode()).hexdigest()[:20]
     folder = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "gpushare")
     path = os.path.join(folder, f"copy-regions-{arch}-{key}.cubin")
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError:
-        pass
+    if not fresh:
+        try:
+            with open(path, "rb") as f:
+                return f.read(), True
+        except OSError:
+            pass
     cubin = _compile(nvrtc, arch)
     try:  # best effort: a read-only home only costs each process a compile
         os.makedirs(folder, exist_ok=True)
@@ -275,7 +286,7 @@ def _cubin(arch: str) -> bytes:
         os.replace(partial, path)
     except OSError:
         pass
-    return cubin
+    return cubin, False
 
 
 def _compile(nvrtc: Any, arch: str) -> bytes:
