@@ -2,7 +2,8 @@
 
 Reports the versions (gpushare, Python, cuda-bindings, CUDA driver), the
 CUDA devices (ordinal, UUID, name, memory), which sharing backends each
-device supports, the peer-access matrix, gpushare's start method, and
+device supports and whether gpushare's copy kernel could be built for it
+(weight sync's copies; it is built here if not yet), the peer-access matrix, gpushare's start method, and
 whether file descriptors pass over a Unix socket (SCM_RIGHTS, which the fd
 based backends need; tried for real with a socket pair in this process).
 
@@ -140,6 +141,7 @@ def collect_info() -> dict[str, Any]:
             entry["name"] = _cuda.device_name(ordinal)
             entry["total_memory"] = _cuda.device_total_memory(ordinal)
             entry["backends"] = [name for name in cuda_backends if _supports(name, ordinal)]
+            entry["copy_kernel"] = _cuda.copy_kernel_status(ordinal, build=True)  # weight sync's copies
         except GpushareError as exc:
             entry["error"] = str(exc)
             entry["backends"] = []
@@ -207,6 +209,7 @@ def format_info(info: dict[str, Any]) -> str:
             memory = f"{d['total_memory'] / _GIB:.1f} GiB"
             supported = ", ".join(d["backends"]) or "none"
             lines.append(f"  {d['ordinal']}  {d['uuid']}  {d['name']}  {memory}  backends: {supported}")
+            lines.append(f"     copy kernel: {d['copy_kernel']}")
 
     matrix = info["peer_access"]
     if len(matrix) < 2:

@@ -99,6 +99,8 @@ def test_info_json_driver_devices_and_peers_agree(info_json: dict) -> None:
         assert d["name"]
         assert d["total_memory"] > 0
         assert "cuda_ipc" in d["backends"]
+        # gpushare's copy kernel: built here (NVRTC), or off with the reason
+        assert d["copy_kernel"] == "ready" or d["copy_kernel"].startswith("off: "), d["copy_kernel"]
     assert len({d["uuid"] for d in devices}) == len(devices)
     matrix = info_json["peer_access"]
     assert len(matrix) == len(devices)
