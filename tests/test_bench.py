@@ -186,6 +186,19 @@ def _bench(tmp_path: Path, *args: str, timeout: float = 200) -> subprocess.Compl
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
 
 
+def test_the_copy_kernels_status_is_asked_of_a_child_process() -> None:
+    """The report names whether gpushare's copy kernel runs on device 0, asked of a child so the
+    benchmark's own process makes no CUDA context; without a GPU it says why it is off."""
+    from gpushare import _cuda
+    from gpushare.bench.runner import _copy_kernel_status
+
+    status = _copy_kernel_status()
+    if _cuda.available():
+        assert status == "ready", status
+    else:
+        assert status.startswith("off: building it failed (NoDeviceError"), status
+
+
 def test_a_run_killed_half_way_leaves_the_cells_it_measured(tmp_path: Path) -> None:
     """The reports are written after every cell of the first round, marked as cut short, so a
     run stopped by a time limit keeps what it measured."""

@@ -13,6 +13,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -93,8 +94,7 @@ class Bench:
                     meta["device"] += ", unused: host backend"
             meta["driver"] = _nvidia_driver() or meta["cuda_driver_api"]
             if cfg.backend != "host":
-                with contextlib.suppress(Exception):  # what the weight-sync copies run on here
-                    meta["copy_kernel"] = _cuda.copy_kernel_status(0, build=True)
+                meta["copy_kernel"] = _copy_kernel_status()
         self.meta = meta
 
     def manager(self) -> Any:
@@ -277,6 +277,21 @@ class Bench:
 def _check_samples(samples: Any) -> None:
     if not isinstance(samples, list) or not samples:
         raise BenchError(f"expected a non-empty list of samples, got {type(samples).__name__}")
+
+
+def _copy_kernel_status() -> str:
+    """Whether gpushare's copy kernel runs on device 0 (what the weight-sync copies run on), asked
+    of a child process: building it here would give this process a CUDA context (about 500 MiB
+    of the device) that the scenarios' memory readings and fit estimates would then count."""
+    script = "from gpushare._cuda import copy_kernel_status as s; print(s(0, build=True))"
+    try:
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"unknown ({type(exc).__name__}: {exc})"
+    lines = done.stdout.strip().splitlines()
+    if done.returncode or not lines:
+        return f"unknown (the probe exited {done.returncode}: {done.stderr.strip()[-200:]})"
+    return lines[-1]
 
 
 def _nvidia_driver() -> str | None:
