@@ -331,32 +331,31 @@ def bind(module: torch.nn.Module, snapshot: Any, *, strict: bool = True) -> Inco
     A tensor taken from the module does not hold the version on its own:
     once the module is rebound or dropped, the trainer may rewrite it.
     """
-    if hasattr(snapshot, "_order_stream"):
+    reader = hasattr(snapshot, "_order_stream")  # a reader's snapshot, not a mapping of views
+    plan = _BindPlan.kept(module, snapshot, strict) if reader else None
+    if plan is None:
+        own, keys = _match(module, snapshot, strict)
         # A reader's snapshot: the module's tensors over its version slot are made once
         # per slot (DLPack on CUDA: milliseconds a version for a 200-tensor model), and
         # where each goes in the module is worked out once (module.state_dict() walks
         # every submodule: 0.3-0.6 ms for a 22-layer model) and checked after.
-        plan = _BindPlan.of(module, snapshot, strict)
-        if plan is not None:
-            made = plan.tensors(module, snapshot)
-            if made and made[0].is_cuda:
-                snapshot._order_stream(torch.cuda.current_stream(made[0].device).cuda_stream)
-            plan.assign(made)
-            _hold(module, snapshot)
-            return plan.keys
-    own, keys = _match(module, snapshot, strict)
-    if hasattr(snapshot, "_order_stream"):  # a module _BindPlan cannot follow (state-dict hooks renaming)
+        plan = _BindPlan.make(module, snapshot, strict, own, keys) if reader else None
+    if plan is not None:
+        made = plan.tensors(module, snapshot)
+        _order_torch_stream(snapshot, made[0] if made else None)
+        plan.assign(made)
+        _hold(module, snapshot)
+        return plan.keys
+    if reader:  # a module _BindPlan cannot follow (state-dict hooks renaming its tensors)
         cached = _snapshot_tensors(snapshot)
         # A tensor object per bind (detach: same memory, no copy), so that modules bound to one
         # slot share no tensor object (a buffer is the module's own after this).
         tensors = {name: t.detach() for name, t in cached.items() if name in own}
-        first = next(iter(cached.values()), None)
-        if first is not None and first.is_cuda:
-            snapshot._order_stream(torch.cuda.current_stream(first.device).cuda_stream)
+        _order_torch_stream(snapshot, next(iter(cached.values()), None))
     else:
         tensors = {name: as_tensor(snapshot[name]) for name in snapshot if name in own}
     for name, tensor in tensors.items():
-        _check_same(name, own[name], tensor)
+        _check_same(name, own[name].shape, own[name].dtype, tensor)
     with torch.no_grad():
         for name, tensor in tensors.items():
             current = own[name]
@@ -378,10 +377,17 @@ def _hold(module: torch.nn.Module, snapshot: Any) -> None:
         previous.release()
 
 
-def _check_same(name: str, current: torch.Tensor, tensor: torch.Tensor) -> None:
-    if current.shape != tensor.shape or current.dtype != tensor.dtype:
+def _order_torch_stream(snapshot: Any, tensor: torch.Tensor | None) -> None:
+    """On CUDA, torch's current stream (of ``tensor``'s device) waits for the version's writes."""
+    if tensor is not None and tensor.is_cuda:
+        snapshot._order_stream(torch.cuda.current_stream(tensor.device).cuda_stream)
+
+
+def _check_same(name: str, shape: torch.Size, dtype: torch.dtype, tensor: torch.Tensor) -> None:
+    """The module's tensor ``name`` (of ``shape`` and ``dtype``) can be bound to ``tensor``."""
+    if shape != tensor.shape or dtype != tensor.dtype:
         raise LayoutError(
-            f"module tensor {name!r} is {tuple(current.shape)} {current.dtype}; the snapshot's is "
+            f"module tensor {name!r} is {tuple(shape)} {dtype}; the snapshot's is "
             f"{tuple(tensor.shape)} {tensor.dtype}: bind() needs the layout the module was built with"
         )
 
@@ -416,13 +422,21 @@ class _BindPlan:
     def __init__(self) -> None:
         self.token = object()  # names this plan in the reader's cache, without a reference to it
 
-    @classmethod
-    def of(cls, module: torch.nn.Module, snapshot: Any, strict: bool) -> _BindPlan | None:
+    @staticmethod
+    def kept(module: torch.nn.Module, snapshot: Any, strict: bool) -> _BindPlan | None:
+        """The plan an earlier bind kept in ``module``, if it still holds for this bind."""
         plan = module.__dict__.get(_PLAN)
         if plan is not None and plan.layout is snapshot.layout and plan.strict == strict and plan.intact():
             return plan  # type: ignore[no-any-return]
         module.__dict__.pop(_PLAN, None)
-        own, keys = _match(module, snapshot, strict)
+        return None
+
+    @classmethod
+    def make(
+        cls, module: torch.nn.Module, snapshot: Any, strict: bool, own: dict[str, Any], keys: IncompatibleKeys
+    ) -> _BindPlan | None:
+        """Work the plan out from ``_match``'s answer (``own``, ``keys``) and keep it in the module;
+        None for a module whose state-dict names are no attribute paths."""
         plan = cls()
         plan.layout, plan.strict, plan.keys = snapshot.layout, strict, keys
         plan.names = [name for name in snapshot if name in own]
@@ -483,11 +497,7 @@ class _BindPlan:
         cached = _snapshot_tensors(snapshot)
         made = [cached[name].detach() for name in self.names]
         for name, (shape, dtype), tensor in zip(self.names, self.wanted, made, strict=True):
-            if shape != tensor.shape or dtype != tensor.dtype:
-                raise LayoutError(
-                    f"module tensor {name!r} is {tuple(shape)} {dtype}; the snapshot's is {tuple(tensor.shape)} "
-                    f"{tensor.dtype}: bind() needs the layout the module was built with"
-                )
+            _check_same(name, shape, dtype, tensor)
         slots[snapshot.slot] = (self.token, made)
         return made
 

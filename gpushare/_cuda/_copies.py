@@ -207,7 +207,7 @@ def memcpy_batch_async(
         )
     if not count:
         return
-    if kernel and count > 1 and _kernels.copy_regions(dsts, srcs, sizes, ordinal, stream):
+    if kernel and count > 1 and _kernels.launch_copies(dsts, srcs, sizes, ordinal, stream):
         return
     driver, pushed = _enter(ordinal)
     try:

@@ -28,11 +28,11 @@ Protocol:
   byte by byte. More copies go in more launches on the same stream.
 * Every pointer must be device memory that the device's primary context can
   reach (its own allocations, mapped IPC or VMM imports, pool imports), not
-  host memory and not another GPU's: :func:`copy_regions` is called only for
+  host memory and not another GPU's: :func:`launch_copies` is called only for
   such copies (see :func:`gpushare._cuda._copies.memcpy_batch_async`), and
   like ``cuMemcpyBatchAsync`` the copies are unordered among themselves.
 * Where the kernel cannot be had (no NVRTC library, a compiler too old for
-  the device, a refused load, ``GPUSHARE_COPY_KERNEL=0``), :func:`copy_regions`
+  the device, a refused load, ``GPUSHARE_COPY_KERNEL=0``), :func:`launch_copies`
   returns False and the caller queues driver copies instead; the reason is
   kept (:func:`kernel_status`), for the benchmark's report and for tests.
   The attempt is made once per process and device.
@@ -122,7 +122,7 @@ def kernel_status(ordinal: int, *, build: bool = False) -> str:
     return "not built"
 
 
-def copy_regions(dsts: list[int], srcs: list[int], sizes: list[int], ordinal: int, stream: int) -> bool:
+def launch_copies(dsts: list[int], srcs: list[int], sizes: list[int], ordinal: int, stream: int) -> bool:
     """Queue the copies ``srcs[i] -> dsts[i]`` (``sizes[i]`` bytes, device memory of ``ordinal``)
     on ``stream`` with gpushare's kernel; False, with nothing queued, where it cannot be had."""
     kernel = _kernel(ordinal)
