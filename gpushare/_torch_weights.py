@@ -36,7 +36,9 @@ How each works:
   with that stream: the version's ready event is recorded after the copies.
   Nothing waits on the host. The torch tensors over each version are made
   once per version and kept with the set (making 200 tensors through DLPack
-  would cost milliseconds per publish).
+  would cost milliseconds per publish), and so is where each tensor of the
+  state dict goes (:class:`_PublishPlan`), used again while the state dict
+  holds the same tensors at the same addresses.
 * :func:`load_state_dict` copies a snapshot into a module's own parameters
   and buffers with :meth:`~gpushare.Snapshot.copy_to` on the current torch
   stream (one batched driver call; torch sees ordinary stream order).
@@ -189,52 +191,129 @@ def publish_state_dict(
     engine holds. The state dict must have every name of the set's layout,
     each tensor of the layout's shape and dtype (no casting).
     """
-    names = tensor_set.names
-    missing = [n for n in names if n not in state_dict]
-    unexpected = [n for n in state_dict if n not in tensor_set.layout]
-    if missing or unexpected:
-        raise LayoutError(
-            f"the state dict does not match the tensor set's layout: missing {missing[:5]}, unexpected "
-            f"{unexpected[:5]}; make the set from this model's state_dict_layout(model.state_dict())"
-        )
     device = tensor_set.device
     on = stream if stream is not None else _stream_of(device)
     if on is not None and not isinstance(on, torch.cuda.Stream):
         on = torch.cuda.ExternalStream(int(on), device=device)  # an int CUstream handle
+    plan = _PublishPlan.kept(tensor_set, state_dict, on is not None)
     draft = tensor_set.draft(timeout, stream=on)
     try:
-        version = _version_tensors(tensor_set, draft.slot)
-        dsts, srcs = [], []
-        raw: tuple[list[int], list[int], list[int]] = ([], [], [])  # the kernel's: same device, contiguous
-        for name, dst in version.items():
+        dsts, srcs, sizes = plan.addresses(tensor_set, draft.slot)
+        if sizes:  # tensors on the set's GPU: copied by address on the stream, like torch's own kernels
+            _cuda.memcpy_batch_async(dsts, srcs, sizes, device, on.cuda_stream, kernel=True)
+        if plan.others:
+            version = _version_tensors(tensor_set, draft.slot)
+            outs = [version[name] for name in plan.others]
+            ins = [state_dict[name] for name in plan.others]
+            with torch.no_grad(), torch.cuda.stream(on) if on is not None else contextlib.nullcontext():
+                if hasattr(torch, "_foreach_copy_"):
+                    torch._foreach_copy_(outs, ins)
+                else:  # an older torch: one copy per tensor
+                    for dst, src in zip(outs, ins, strict=True):
+                        dst.copy_(src)
+    except BaseException:
+        draft.release()
+        raise
+    return int(tensor_set.publish(draft, stream=on))
+
+
+class _PublishPlan:
+    """How :func:`publish_state_dict` copies one state dict's tensors into a set's versions,
+    worked out on its first publish and kept with the set for the next.
+
+    A trainer publishes the same weights every step: ``model.state_dict()`` is a
+    new mapping of new tensor objects (detached) over the same memory. Checking
+    each against the layout and sorting the kernel's copies from the others cost
+    about 0.2 ms for 291 tensors on the development machine, 0.5 ms on the H200
+    machine's host, before the GPU had anything to do. A kept plan is used again
+    when the mapping has the layout's names and each tensor is at the same
+    address, of the same shape and dtype, as contiguous as before and on the same
+    side (host or GPU): then a new plan would copy the same bytes from the same
+    addresses. Anything else works it out again. It keeps no tensor.
+    """
+
+    __slots__ = ("checks", "gpu", "kernel", "names", "others", "slots")
+
+    KEPT = 2  # plans per set (a trainer publishing two models into one set is rare)
+
+    def __init__(self, tensor_set: Any, state_dict: Mapping[str, torch.Tensor], gpu: bool) -> None:
+        names = tensor_set.names
+        missing = [n for n in names if n not in state_dict]
+        unexpected = [n for n in state_dict if n not in tensor_set.layout]
+        if missing or unexpected:
+            raise LayoutError(
+                f"the state dict does not match the tensor set's layout: missing {missing[:5]}, unexpected "
+                f"{unexpected[:5]}; make the set from this model's state_dict_layout(model.state_dict())"
+            )
+        shapes = _version_tensors(tensor_set, 0)  # any version: every one has the layout's tensors
+        kernel: list[tuple[str, int]] = []  # (name, bytes): same GPU as the set, contiguous
+        others: list[str] = []  # torch._foreach_copy_ (another device, strided; all of them on the host)
+        checks = []
+        for name, dst in shapes.items():
             src = state_dict[name]
             if src.shape != dst.shape or src.dtype != dst.dtype:
                 raise LayoutError(
                     f"state dict tensor {name!r} is {tuple(src.shape)} {src.dtype}; the layout says "
                     f"{tuple(dst.shape)} {dst.dtype} (no casting or reshaping)"
                 )
+            contiguous = src.is_contiguous()
+            checks.append((src.data_ptr(), src.shape, src.dtype, contiguous, src.is_cuda))
             if not dst.numel():
                 continue
-            if on is not None and src.device == dst.device and src.is_contiguous():
-                raw[0].append(dst.data_ptr())
-                raw[1].append(src.data_ptr())
-                raw[2].append(dst.numel() * dst.element_size())
+            if gpu and src.device == dst.device and contiguous:
+                kernel.append((name, dst.numel() * dst.element_size()))
             else:
-                dsts.append(dst)
-                srcs.append(src)
-        if raw[2]:  # tensors on the set's GPU: copied by address on the stream, like torch's own kernels
-            _cuda.memcpy_batch_async(*raw, device, on.cuda_stream, kernel=True)
-        if dsts:
-            with torch.no_grad(), torch.cuda.stream(on) if on is not None else contextlib.nullcontext():
-                if hasattr(torch, "_foreach_copy_"):
-                    torch._foreach_copy_(dsts, srcs)
-                else:  # an older torch: one copy per tensor
-                    for dst, src in zip(dsts, srcs, strict=True):
-                        dst.copy_(src)
-    except BaseException:
-        draft.release()
-        raise
-    return int(tensor_set.publish(draft, stream=on))
+                others.append(name)
+        self.gpu = gpu
+        self.names = tuple(shapes)
+        self.checks = tuple(checks)
+        self.kernel = kernel
+        self.others = tuple(others)
+        self.slots: dict[int, tuple[list[int], list[int], list[int]]] = {}
+
+    @classmethod
+    def kept(cls, tensor_set: Any, state_dict: Mapping[str, torch.Tensor], gpu: bool) -> _PublishPlan:
+        """The set's plan for these tensors: a kept one that still fits, else a new one (kept)."""
+        plans: list[_PublishPlan] = tensor_set._adapters.setdefault("torch-publish", [])
+        for i, plan in enumerate(plans):
+            if plan.fits(state_dict, gpu):
+                if i:
+                    plans.insert(0, plans.pop(i))
+                return plan
+        plan = cls(tensor_set, state_dict, gpu)
+        plans.insert(0, plan)
+        del plans[cls.KEPT :]
+        return plan
+
+    def fits(self, state_dict: Mapping[str, torch.Tensor], gpu: bool) -> bool:
+        if gpu != self.gpu or len(state_dict) != len(self.names):
+            return False
+        get = state_dict.get
+        for name, (ptr, shape, dtype, contiguous, cuda) in zip(self.names, self.checks, strict=True):
+            src = get(name)
+            if (
+                src is None
+                or src.data_ptr() != ptr
+                or src.shape != shape
+                or src.dtype != dtype
+                or src.is_contiguous() != contiguous
+                or src.is_cuda != cuda
+            ):
+                return False
+        return True
+
+    def addresses(self, tensor_set: Any, slot: int) -> tuple[list[int], list[int], list[int]]:
+        """The kernel's copies into version ``slot``: (version addresses, state dict addresses, bytes)."""
+        found = self.slots.get(slot)
+        if found is None:
+            version = _version_tensors(tensor_set, slot)
+            ptrs = dict(zip(self.names, (check[0] for check in self.checks), strict=True))
+            found = self.slots[slot] = (
+                [version[name].data_ptr() for name, _ in self.kernel],
+                [ptrs[name] for name, _ in self.kernel],
+                [size for _, size in self.kernel],
+            )
+        return found
 
 
 def _version_tensors(tensor_set: Any, slot: int) -> Mapping[str, torch.Tensor]:

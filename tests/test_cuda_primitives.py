@@ -765,6 +765,67 @@ def test_a_copy_kernel_the_driver_refuses_to_launch_is_given_up_and_the_driver_c
     assert fake.names() == ["cuMemcpyBatchAsync"] * 2
 
 
+def _emulate_kernel(launches: list[tuple[Any, ...]]) -> Any:
+    """A stand-in for ``cuLaunchKernel`` of the copy kernel that reads its argument as the
+    kernel does (count, destinations, sources, sizes, each copy's first chunk) and makes the
+    copies in host memory, chunk by chunk."""
+    from gpushare._cuda import _kernels
+
+    def launch(function: Any, blocks: int, gy: int, gz: int, threads: int, *rest: Any) -> tuple[int]:
+        params = rest[-2]
+        address = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))[0]
+        args = type(_kernels._Regions()).from_address(address)
+        launches.append((address, blocks, threads, args.count))
+        chunks = args.first[args.count]
+        assert blocks == min(chunks, 264)
+        for i in range(args.count):
+            size, first = args.bytes[i], args.first[i]
+            assert args.first[i + 1] - first == -(-size // _kernels.CHUNK)
+            for c in range(args.first[i + 1] - first):
+                offset = c * _kernels.CHUNK
+                ctypes.memmove(args.dst[i] + offset, args.src[i] + offset, min(_kernels.CHUNK, size - offset))
+        return (FakeDriver.CUresult.CUDA_SUCCESS,)
+
+    return launch
+
+
+def test_the_copy_kernels_arguments_describe_the_copies_and_are_kept_for_the_same_copies(
+    fake: FakeDriver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the host side of the kernel does, read back as the kernel reads it: 150 copies in
+    two launches (96 + 54), every byte where it belongs. The same copies again launch from
+    the same arguments (the fill is not redone); other copies get their own, and only the
+    last PREPARED sets are kept."""
+    from gpushare._cuda import _kernels
+
+    launches: list[tuple[Any, ...]] = []
+    fake.cuLaunchKernel = _emulate_kernel(launches)  # type: ignore[attr-defined]
+    monkeypatch.setattr(_driver, "_kernels", {0: ("kernel", 264)})  # as if built
+    monkeypatch.setattr(_kernels, "_launches", {})
+    copies = Copies(count=150)
+    dst, src = copies.dst.ctypes.data, copies.src.ctypes.data
+    dsts, srcs = [dst + o for o in copies.dst_offsets], [src + o for o in copies.src_offsets]
+    _cuda.memcpy_batch_async(dsts, srcs, copies.sizes, 0, STREAM, kernel=True)
+    copies.check()
+    assert [(threads, count) for _, _, threads, count in launches] == [(_kernels.THREADS, 96), (_kernels.THREADS, 54)]
+    copies.dst[:] = 0
+    copies.expected = copies.dst.copy()
+    for d, s_, n in zip(copies.dst_offsets, copies.src_offsets, copies.sizes, strict=True):
+        copies.expected[d : d + n] = copies.src[s_ : s_ + n]
+    _cuda.memcpy_batch_async(list(dsts), list(srcs), list(copies.sizes), 0, STREAM, kernel=True)  # equal lists
+    copies.check()
+    assert [a for a, *_ in launches[2:]] == [a for a, *_ in launches[:2]], "the kept arguments were not used"
+    assert len(_kernels._launches) == 1
+    for n in range(_kernels.PREPARED + 3):
+        other = Copies(count=3 + n)
+        dst, src = other.dst.ctypes.data, other.src.ctypes.data
+        other_dsts = [dst + o for o in other.dst_offsets]
+        _cuda.memcpy_batch_async(other_dsts, [src + o for o in other.src_offsets], other.sizes, 0, STREAM, kernel=True)
+        other.check()
+    assert len(_kernels._launches) == _kernels.PREPARED
+    assert "cuMemcpyBatchAsync" not in fake.names(), "every copy went to the kernel"
+
+
 def test_importing_the_package_loads_no_driver_and_nothing_heavy() -> None:
     """``import gpushare._cuda`` adds only its own modules to what gpushare._errors loads:
     no cuda-bindings (loaded on first use), no ctypes, typing or threading."""

@@ -167,6 +167,57 @@ def test_a_trainer_writes_its_update_into_a_draft_through_draft_tensors(manager)
         reader.close()
 
 
+@pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_publish_state_dict_keeps_its_plan_and_follows_tensors_that_change(manager, where) -> None:
+    """publish_state_dict works out where each tensor goes once and keeps it while the state
+    dict (a new mapping each step) holds the same tensors; a tensor replaced (``.data =``),
+    made strided (on a GPU: torch's copy instead of the kernel) or reshaped is seen: the
+    values arrive, and a shape the layout does not have is refused as before."""
+    trainer = Net().to(where)
+    device = 0 if where == "cuda" else "cpu"
+    with manager.tensor_set(state_dict_layout(trainer.state_dict()), versions=2, device=device) as ts:
+        reader = pickle.loads(pickle.dumps(ts))
+
+        def published_matches(step: int) -> None:
+            tw_step(trainer, step)
+            publish_state_dict(ts, trainer.state_dict(), timeout=T)
+            with reader.latest(timeout=5) as snap:
+                engine = Net().to(where)
+                load_state_dict(engine, snap)
+            if where == "cuda":
+                torch.cuda.synchronize()
+            assert tw_checksum(engine.state_dict()) == tw_checksum(trainer.state_dict()), step
+
+        published_matches(1)
+        plans = ts._adapters["torch-publish"]
+        first = plans[0]
+        for step in (2, 3, 4):
+            published_matches(step)  # a new state_dict() mapping each time, the same tensors
+        assert plans == [first], "the kept plan was not used again"
+
+        with torch.no_grad():
+            trainer.fc1.weight.data = trainer.fc1.weight.data.clone() + 1  # another tensor at another address
+        published_matches(5)
+        assert plans[0] is not first and len(plans) == 2
+        replaced = plans[0]
+        with torch.no_grad():  # the same shape, strided: the kernel cannot copy it by address
+            trainer.fc1.weight.data = trainer.fc1.weight.data.t().contiguous().t()
+        assert not trainer.fc1.weight.is_contiguous()
+        published_matches(6)
+        assert plans[0] is not replaced and len(plans) == 2
+        if where == "cuda":
+            assert plans[0].others == ("fc1.weight",) and len(plans[0].kernel) == len(ts.names) - 1
+
+        weight = trainer.fc2.weight
+        weight.data = weight.data.view(16, 4)  # the same bytes at the same address, another shape
+        with pytest.raises(mp.LayoutError, match=r"'fc2.weight' is \(16, 4\)"):
+            publish_state_dict(ts, trainer.state_dict(), timeout=T)
+        weight.data = weight.data.view(4, 16)
+        published_matches(7)
+        assert ts.stats()["writing"] == 0 and ts.version == 7
+        reader.close()
+
+
 def test_bind_maps_each_version_slot_once_and_shares_no_tensor_between_modules(manager) -> None:
     """bind() reuses one set of tensors per version slot of the reader (no export per tensor per
     version), still reads each new version, gives two modules tensor objects of their own, and
