@@ -74,6 +74,7 @@ _LAZY = {
     "SlotWriter": ("._batch", "SlotWriter"),
     "Snapshot": ("._fanout", "Snapshot"),
     "TensorSet": ("._fanout", "TensorSet"),
+    "prepare_loaders": ("._loader_workers", "prepare_loaders"),
 }
 
 
@@ -118,6 +119,7 @@ __all__ = [
     "TensorSet",
     "TensorSetClosedError",
     "WaitTimeoutError",
+    "prepare_loaders",
 ]
 
 __all__ += [name for name in _MULTIPROCESSING_NAMES if name not in __all__]

@@ -11,7 +11,9 @@ it imports (gpushare's ``Process(device=...)``); a forked one cannot, its
 imports being made before the fork. So while no forkserver runs a loader
 with GPU workers spawns them, and its epoch starts the forkserver once the
 first batch is in (:func:`start_forkserver`), for the next epochs' and
-loaders' workers; a host loader forks from the first. The forkserver is
+loaders' workers; a host loader forks from the first. A script can start
+it earlier (:func:`prepare_loaders`), so that its first GPU loader forks
+as well. The forkserver is
 multiprocessing's own, one per process for its life; it keeps the
 environment it started with (``"spawn"`` where that matters).
 
@@ -38,7 +40,16 @@ from ._batch import SlotWriter, Staging, align, exception_payload
 from ._buffer import Buffer
 from ._errors import OwnerGoneError, RingClosedError, WaitTimeoutError
 
-__all__ = ["JOIN_TIMEOUT", "POLL", "Workers", "current_dataset", "start_forkserver", "stop_workers", "worker_context"]
+__all__ = [
+    "JOIN_TIMEOUT",
+    "POLL",
+    "Workers",
+    "current_dataset",
+    "prepare_loaders",
+    "start_forkserver",
+    "stop_workers",
+    "worker_context",
+]
 
 POLL = 0.5  # seconds between liveness checks while waiting
 JOIN_TIMEOUT = 5.0  # seconds a finishing epoch waits for each worker before terminating it
@@ -288,6 +299,35 @@ def start_forkserver() -> None:
         logging.getLogger("gpushare").warning(
             "gpushare: could not start multiprocessing's forkserver (%s); loader workers will spawn", e
         )
+
+
+def prepare_loaders() -> bool:
+    """Start the process that loaders fork their workers from now, so the first loader's
+    workers are forks too; True once it runs, False where the platform has none.
+
+    That process is multiprocessing's forkserver, started with gpushare's worker
+    module and whatever of torch, numpy and cuda.bindings this process has
+    imported, never the main script; it imports them in its own process while
+    this one goes on (the call takes milliseconds). Left to itself, a loader
+    whose workers are bound to a GPU spawns its first workers, each an
+    interpreter importing torch (seconds), and starts the forkserver after its
+    first batch. Call this early in a script, after importing what the dataset
+    needs and before building the model: by the first ``iter()`` the workers
+    are forks (each still makes its own CUDA context). The forkserver keeps the
+    environment it started with (``CUDA_VISIBLE_DEVICES`` among it) and runs
+    for the process's life, shared by every loader; a loader given
+    ``multiprocessing_context="spawn"`` does not use it.
+    """
+    import multiprocessing
+
+    from ._context import get_context
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return False
+    if not _forkserver_running():
+        _preload_forkserver(get_context("forkserver"))
+        start_forkserver()
+    return _forkserver_running()
 
 
 def _preload_forkserver(ctx: Any) -> None:

@@ -48,6 +48,7 @@ import numpy as np
 from . import _loader
 from ._batch import SlotArray, SlotWriter
 from ._loader import SlotLoader
+from ._loader_workers import prepare_loaders
 from ._torch_weights import (
     as_tensor,
     as_tensors,
@@ -65,6 +66,7 @@ __all__ = [
     "bind",
     "draft_tensors",
     "load_state_dict",
+    "prepare_loaders",
     "publish_state_dict",
     "state_dict_layout",
 ]

@@ -347,6 +347,29 @@ def test_workers_fork_from_the_forkserver_unless_told_otherwise() -> None:
         mp.SlotLoader(ParentOf(), device="cpu", multiprocessing_context=3)
 
 
+def test_prepare_loaders_starts_the_forkserver_so_a_first_gpu_loader_forks_too() -> None:
+    """gpushare.prepare_loaders() starts the forkserver at once (with the worker's module and numpy
+    among what it imports; never the main script): a first loader with GPU workers then forks them
+    instead of spawning, and a second call finds it running."""
+    from multiprocessing import forkserver
+
+    from gpushare._loader_workers import worker_context
+
+    server = forkserver._forkserver  # type: ignore[attr-defined]
+    server._stop()
+    assert worker_context(None, gpu=True)[0].get_start_method() == "spawn"
+    assert mp.prepare_loaders() is True
+    pid = server._forkserver_pid
+    assert pid is not None and not all_gone([pid])
+    preload = server._preload_modules
+    assert "gpushare._loader_workers" in preload and "numpy" in preload and "__main__" not in preload, preload
+    ctx, then_forkserver = worker_context(None, gpu=True)
+    assert ctx.get_start_method() == "forkserver" and not then_forkserver
+    assert mp.prepare_loaders() is True and server._forkserver_pid == pid  # the same one
+    with mp.SlotLoader(ParentOf(), batch_size=4, num_workers=2, device="cpu", timeout=60) as data:
+        assert {p for batch in data for p in batch.numpy().tolist()} == {pid}
+
+
 def test_pin_memory_without_a_gpu_warns_and_batches_stay_pageable() -> None:
     if _gpus() > 0:
         pytest.skip("this machine has a GPU: test_pin_memory_page_locks_the_host_slots covers it")
@@ -390,6 +413,18 @@ def test_a_first_gpu_loader_spawns_and_later_ones_fork() -> None:
             parents.append({p for batch in data for p in batch.numpy().tolist()})
     assert server._forkserver_pid is not None
     assert parents == [{os.getpid()}, {server._forkserver_pid}], parents
+
+
+@pytest.mark.gpu
+def test_after_prepare_loaders_a_first_gpu_loader_forks_its_workers() -> None:
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver  # type: ignore[attr-defined]
+    server._stop()
+    assert mp.prepare_loaders()
+    with mp.SlotLoader(ParentOf(), batch_size=4, num_workers=2, device=0, timeout=120) as data:
+        parents = {p for batch in data for p in batch.numpy().tolist()}
+    assert parents == {server._forkserver_pid}, parents
 
 
 def _memory_type(ptr: int) -> tuple[int, str]:

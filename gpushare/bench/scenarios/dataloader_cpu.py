@@ -68,6 +68,8 @@ DEVICE = "cuda"  # where batches are used (the plumbing test sets "cpu": no pinn
 SPEEDUP = 1.2  # target: gpushare's batches/s over torch's
 VERIFY = 2  # warm-up batches compared whole
 TIMEOUT = 120  # seconds: any one batch, the workers starting included
+PREPARE_HEAD = 5.0  # seconds between gpushare.prepare_loaders() and the loader (a script building its model)
+PREPARED = "first loader after prepare_loaders()"  # the row's suffix (gpushare only)
 
 
 @dataclass(frozen=True)
@@ -93,7 +95,9 @@ HOW = (
     "from the loader's construction to `next()` (and the trainer's copy issued, for torch), with gpushare's "
     "step by step in a note per cell (`loader.stats()['first_batch_s']`): the cell's loader (gpushare's spawning "
     "its workers and starting the forkserver), and another loader made after it (gpushare's forked from the "
-    "forkserver; torch's spawned again). Then "
+    "forkserver; torch's spawned again); for gpushare, also a first loader made "
+    f"{PREPARE_HEAD:g} s after `gpushare.prepare_loaders()` (the forkserver stopped before it: a script that "
+    "calls it, then builds its model; no target). Then "
     f"{FULL.warmup} warm-up batches, the first {VERIFY} compared whole with what the dataset made, and "
     f"{FULL.repeats} repeats of {FULL.count} batches timed whole ({QUICK.warmup}, {QUICK.repeats}, "
     f"{QUICK.count} with --quick), the device synchronized after each; on every batch the trainer queues a small "
@@ -133,7 +137,7 @@ def plan(bench: Bench) -> None:
         FIRST_KEY,
         f"DataLoader, {shape} images made on the CPU in the workers: time to the first batch",
         "cell",
-        firsts,
+        [r for row in rows for r in (row, f"{row}: another loader", f"{row}: {PREPARED}")],
         floor=(FIRST_KEY, TORCH_LOADER),
         targets={row: Target("ratio_max", 1.0) for row in firsts},
         target_systems=[GS_LOADER],
@@ -148,7 +152,9 @@ def plan(bench: Bench) -> None:
     first.notes.append(
         "From the loader's construction to its first batch on the GPU (one per cell and round): the cell's loader "
         "(gpushare's spawns its workers and starts multiprocessing's forkserver), then another loader made after it "
-        "(gpushare's forked from that forkserver)."
+        f"(gpushare's forked from that forkserver); for gpushare, a first loader made {PREPARE_HEAD:g} s after "
+        "`gpushare.prepare_loaders()` started the forkserver (none running before): what a script that calls it "
+        "before building its model gets. No target on that row."
     )
     skip = loader_skip(bench, DEVICE)
     if skip is not None:
@@ -205,6 +211,7 @@ class CellRun:
     per_batch: list[int]  # ns per batch, one per timed repeat
     first: int  # ns from the loader's construction to its first batch
     again: int  # the same for another loader made after the first was closed
+    prepared: int | None  # gpushare's: a first loader made PREPARE_HEAD s after prepare_loaders()
     host_bytes: int | None  # page-locked host bytes (None off CUDA)
     host_how: str  # how host_bytes was had
     device_bytes: int | None  # device bytes in use at the end, less before (None off CUDA)
@@ -316,10 +323,19 @@ def run_cell(system: str, dtype: str, workers: int, counts: Counts) -> CellRun:
         raise BenchError(f"{system}: {seq} batches taken, {total_batches} planned")
     seq = 0  # another loader: its first batch is batch 0 again, checked the same way
     again = _first_again(system, dataset, workers, take)
+    prepared = None
+    if system == GS_LOADER:
+        from ... import prepare_loaders
+
+        cold_start()  # as a script's start: no forkserver yet
+        if prepare_loaders():
+            time.sleep(PREPARE_HEAD)  # the script builds its model meanwhile
+            seq = 0
+            prepared = _first_again(system, dataset, workers, take)
     bad = int(errors.item())
     if bad:
         raise BenchError(f"{system} delivered wrong batches: {bad} values or labels differ from the dataset's")
-    return CellRun(per_batch, first, again, host_bytes, host_how, device_bytes, steps)
+    return CellRun(per_batch, first, again, prepared, host_bytes, host_how, device_bytes, steps)
 
 
 def _stop(it: Any, loader: Any) -> None:
@@ -358,6 +374,8 @@ def measure(bench: Bench, system: str, dtype: str, workers: int, counts: Counts)
     row = row_label(dtype, workers)
     bench._pool(bench.scenarios[FIRST_KEY], system, row, [run.first])
     bench._pool(bench.scenarios[FIRST_KEY], system, f"{row}: another loader", [run.again])
+    if run.prepared is not None:
+        bench._pool(bench.scenarios[FIRST_KEY], system, f"{row}: {PREPARED}", [run.prepared])
     note_steps(bench.scenarios[FIRST_KEY], system, row, run.steps)
     main = bench.scenarios[KEY]
     if run.host_bytes is not None or run.device_bytes is not None:
