@@ -195,9 +195,9 @@ def publish_state_dict(
     on = stream if stream is not None else _stream_of(device)
     if on is not None and not isinstance(on, torch.cuda.Stream):
         on = torch.cuda.ExternalStream(int(on), device=device)  # an int CUstream handle
-    plan = _PublishPlan.kept(tensor_set, state_dict, on is not None)
-    draft = tensor_set.draft(timeout, stream=on)
+    draft = tensor_set.draft(timeout, stream=on)  # first: a closed set says so (TensorSetClosedError)
     try:
+        plan = _PublishPlan.kept(tensor_set, state_dict, on is not None)
         dsts, srcs, sizes = plan.addresses(tensor_set, draft.slot)
         if sizes:  # tensors on the set's GPU: copied by address on the stream, like torch's own kernels
             _cuda.memcpy_batch_async(dsts, srcs, sizes, device, on.cuda_stream, kernel=True)

@@ -216,6 +216,12 @@ def test_publish_state_dict_keeps_its_plan_and_follows_tensors_that_change(manag
         published_matches(7)
         assert ts.stats()["writing"] == 0 and ts.version == 7
         reader.close()
+    with pytest.raises(mp.TensorSetClosedError, match="was closed"):
+        publish_state_dict(ts, trainer.state_dict(), timeout=T)  # a kept plan changes nothing there
+    with manager.tensor_set(state_dict_layout(trainer.state_dict()), device=device) as never_published:
+        never_published.close()
+        with pytest.raises(mp.TensorSetClosedError, match="was closed"):
+            publish_state_dict(never_published, trainer.state_dict(), timeout=T)
 
 
 def test_bind_maps_each_version_slot_once_and_shares_no_tensor_between_modules(manager) -> None:
