@@ -241,7 +241,8 @@ def worker_context(choice: Any, gpu: bool = False) -> tuple[Any, bool]:
     """The gpushare context that starts a loader's workers (``multiprocessing_context``), and
     whether to start multiprocessing's forkserver once they are started.
 
-    ``None``: the forkserver where the platform has one, else gpushare's default context.
+    ``None``: the forkserver where the platform has one, else gpushare's default context;
+    spawn once the forkserver failed to start in this process (:func:`start_forkserver`).
     A worker forked from the forkserver skips the interpreter's start and the imports
     the forkserver made once (torch, for a dataset): each worker costs a fork instead
     of a spawn, and a new loader per epoch starts its workers in a fraction of a second.
@@ -260,11 +261,15 @@ def worker_context(choice: Any, gpu: bool = False) -> tuple[Any, bool]:
     if choice is None:
         if "forkserver" not in multiprocessing.get_all_start_methods():
             return get_context(), False
+        if _forkserver_failed:
+            return get_context("spawn"), False
         ctx = get_context("forkserver")
         if _forkserver_running():
             return ctx, False
         _preload_forkserver(ctx)
-        return (get_context("spawn"), True) if gpu else (ctx, False)
+        if gpu:
+            return get_context("spawn"), True
+        return (ctx, False) if start_forkserver() else (get_context("spawn"), False)
     if isinstance(choice, str):
         method = choice
     else:
@@ -287,8 +292,13 @@ def _forkserver_running() -> bool:
     return server is not None and getattr(server, "_forkserver_pid", None) is not None
 
 
-def start_forkserver() -> None:
-    """Start multiprocessing's forkserver now (a few milliseconds here; it imports in its own process)."""
+_forkserver_failed: list[str] = []  # why the forkserver could not start, once it failed: not tried again
+
+
+def start_forkserver() -> bool:
+    """Start multiprocessing's forkserver now (a few milliseconds here; it imports in its own process);
+    False, with a warning, where it cannot start: loaders then start their workers by gpushare's
+    default start method from then on, and it is not tried again in this process."""
     from multiprocessing import forkserver
 
     try:
@@ -296,9 +306,12 @@ def start_forkserver() -> None:
     except Exception as e:  # the workers still start by spawn: slower, not wrong
         import logging
 
+        _forkserver_failed.append(f"{type(e).__name__}: {e}")
         logging.getLogger("gpushare").warning(
             "gpushare: could not start multiprocessing's forkserver (%s); loader workers will spawn", e
         )
+        return False
+    return True
 
 
 def prepare_loaders() -> bool:
@@ -322,7 +335,7 @@ def prepare_loaders() -> bool:
 
     from ._context import get_context
 
-    if "forkserver" not in multiprocessing.get_all_start_methods():
+    if "forkserver" not in multiprocessing.get_all_start_methods() or _forkserver_failed:
         return False
     if not _forkserver_running():
         _preload_forkserver(get_context("forkserver"))

@@ -370,6 +370,37 @@ def test_prepare_loaders_starts_the_forkserver_so_a_first_gpu_loader_forks_too()
         assert {p for batch in data for p in batch.numpy().tolist()} == {pid}
 
 
+def test_a_forkserver_that_cannot_start_is_a_warning_and_loaders_spawn_their_workers(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A forkserver that fails to start (here: made to) is a warning, not an error: prepare_loaders()
+    returns False, a loader left to its default spawns its workers from this process, and the
+    forkserver is not tried again (one warning, whatever comes next)."""
+    from multiprocessing import forkserver
+
+    from gpushare import _loader_workers
+    from gpushare._loader_workers import worker_context
+
+    server = forkserver._forkserver  # type: ignore[attr-defined]
+    server._stop()
+    monkeypatch.setattr(_loader_workers, "_forkserver_failed", [])
+
+    def refuse() -> None:
+        raise OSError("no more processes")
+
+    monkeypatch.setattr(forkserver, "ensure_running", refuse)
+    with caplog.at_level("WARNING", logger="gpushare"):
+        assert mp.prepare_loaders() is False
+        for _ in range(2):
+            with mp.SlotLoader(ParentOf(), batch_size=4, num_workers=2, device="cpu", timeout=60) as data:
+                assert {p for batch in data for p in batch.numpy().tolist()} == {os.getpid()}  # spawned
+        ctx, then_forkserver = worker_context(None, gpu=True)
+        assert ctx.get_start_method() == "spawn" and not then_forkserver
+    warnings = [r for r in caplog.records if "could not start multiprocessing's forkserver" in r.getMessage()]
+    assert len(warnings) == 1 and "no more processes" in warnings[0].getMessage()
+    assert server._forkserver_pid is None
+
+
 def test_pin_memory_without_a_gpu_warns_and_batches_stay_pageable() -> None:
     if _gpus() > 0:
         pytest.skip("this machine has a GPU: test_pin_memory_page_locks_the_host_slots covers it")
