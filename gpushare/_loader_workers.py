@@ -297,8 +297,8 @@ _forkserver_failed: list[str] = []  # why the forkserver could not start, once i
 
 def start_forkserver() -> bool:
     """Start multiprocessing's forkserver now (a few milliseconds here; it imports in its own process);
-    False, with a warning, where it cannot start: loaders then start their workers by gpushare's
-    default start method from then on, and it is not tried again in this process."""
+    False, with a warning, where it cannot start: loaders left to their default then spawn their
+    workers, and it is not tried again in this process."""
     from multiprocessing import forkserver
 
     try:
@@ -316,7 +316,8 @@ def start_forkserver() -> bool:
 
 def prepare_loaders() -> bool:
     """Start the process that loaders fork their workers from now, so the first loader's
-    workers are forks too; True once it runs, False where the platform has none.
+    workers are forks too; True once it runs, False where the platform has none or it
+    could not start (a warning says why; loaders then spawn their workers).
 
     That process is multiprocessing's forkserver, started with gpushare's worker
     module and whatever of torch, numpy and cuda.bindings this process has
