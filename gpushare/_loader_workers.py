@@ -261,15 +261,10 @@ def worker_context(choice: Any, gpu: bool = False) -> tuple[Any, bool]:
     if choice is None:
         if "forkserver" not in multiprocessing.get_all_start_methods():
             return get_context(), False
-        if _forkserver_failed:
-            return get_context("spawn"), False
-        ctx = get_context("forkserver")
-        if _forkserver_running():
-            return ctx, False
-        _preload_forkserver(ctx)
-        if gpu:
+        if gpu and not _forkserver_failed and not _forkserver_running():
+            _preload_forkserver(get_context("forkserver"))  # named now; it starts after the first batch
             return get_context("spawn"), True
-        return (ctx, False) if start_forkserver() else (get_context("spawn"), False)
+        return (get_context("forkserver"), False) if _ensure_forkserver() else (get_context("spawn"), False)
     if isinstance(choice, str):
         method = choice
     else:
@@ -332,16 +327,22 @@ def prepare_loaders() -> bool:
     for the process's life, shared by every loader; a loader given
     ``multiprocessing_context="spawn"`` does not use it.
     """
+    return _ensure_forkserver()
+
+
+def _ensure_forkserver() -> bool:
+    """The forkserver running, started now with its preload if need be; False where the platform
+    has none or it failed to start (:func:`start_forkserver`)."""
     import multiprocessing
 
     from ._context import get_context
 
     if "forkserver" not in multiprocessing.get_all_start_methods() or _forkserver_failed:
         return False
-    if not _forkserver_running():
-        _preload_forkserver(get_context("forkserver"))
-        start_forkserver()
-    return _forkserver_running()
+    if _forkserver_running():
+        return True
+    _preload_forkserver(get_context("forkserver"))
+    return start_forkserver()
 
 
 def _preload_forkserver(ctx: Any) -> None:

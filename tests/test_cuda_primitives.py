@@ -801,7 +801,7 @@ def test_the_copy_kernels_arguments_describe_the_copies_and_are_kept_for_the_sam
     launches: list[tuple[Any, ...]] = []
     fake.cuLaunchKernel = _emulate_kernel(launches)  # type: ignore[attr-defined]
     monkeypatch.setattr(_driver, "_kernels", {0: ("kernel", 264)})  # as if built
-    monkeypatch.setattr(_kernels, "_launches", {})
+    monkeypatch.setattr(_driver, "_kernel_launches", {})
     copies = Copies(count=150)
     dst, src = copies.dst.ctypes.data, copies.src.ctypes.data
     dsts, srcs = [dst + o for o in copies.dst_offsets], [src + o for o in copies.src_offsets]
@@ -815,14 +815,14 @@ def test_the_copy_kernels_arguments_describe_the_copies_and_are_kept_for_the_sam
     _cuda.memcpy_batch_async(list(dsts), list(srcs), list(copies.sizes), 0, STREAM, kernel=True)  # equal lists
     copies.check()
     assert [a for a, *_ in launches[2:]] == [a for a, *_ in launches[:2]], "the kept arguments were not used"
-    assert len(_kernels._launches) == 1
+    assert len(_driver._kernel_launches) == 1
     for n in range(_kernels.PREPARED + 3):
         other = Copies(count=3 + n)
         dst, src = other.dst.ctypes.data, other.src.ctypes.data
         other_dsts = [dst + o for o in other.dst_offsets]
         _cuda.memcpy_batch_async(other_dsts, [src + o for o in other.src_offsets], other.sizes, 0, STREAM, kernel=True)
         other.check()
-    assert len(_kernels._launches) == _kernels.PREPARED
+    assert len(_driver._kernel_launches) == _kernels.PREPARED
     assert "cuMemcpyBatchAsync" not in fake.names(), "every copy went to the kernel"
 
 

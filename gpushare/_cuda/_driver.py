@@ -47,6 +47,8 @@ _stream_handles: dict[int, Any] = {}  # int stream handle -> the driver's CUstre
 _kernels: dict[int, Any] = {}  # ordinal -> (CUfunction, blocks) of the region-copy kernel, or None (see _kernels)
 _kernel_errors: dict[int, str] = {}  # ordinal -> why that kernel could not be had
 _kernel_lock = _thread.allocate_lock()  # held while one is built
+_kernel_launches: dict[tuple[Any, ...], list[Any]] = {}  # copies -> that kernel's filled launches (_kernels._prepared)
+_kernel_launches_lock = _thread.allocate_lock()
 
 _NO_GPU_HINT = (
     "Use device='cpu' (or set GPUSHARE_BACKEND=host) to share host memory instead, "

@@ -131,16 +131,12 @@ def launch_copies(dsts: list[int], srcs: list[int], sizes: list[int], ordinal: i
     if kernel is None:
         return False
     function, blocks_max = kernel
-    import ctypes
-
     launches = _prepared(dsts, srcs, sizes, ordinal, blocks_max)
     driver, pushed = _enter(ordinal)
     try:
         handle = _stream(driver, stream)
-        for n, (blocks, pointer, _args) in enumerate(launches):
-            result = driver.cuLaunchKernel(
-                function, blocks, 1, 1, THREADS, 1, 1, 0, handle, ctypes.addressof(pointer), 0
-            )
+        for n, (blocks, params, _kept) in enumerate(launches):
+            result = driver.cuLaunchKernel(function, blocks, 1, 1, THREADS, 1, 1, 0, handle, params, 0)
             if result[0] != driver.CUresult.CUDA_SUCCESS and not n and _driver._kernels.get(ordinal) is kernel:
                 # The first launch of this call refused, so nothing is queued yet: this device
                 # copies with the driver's calls from now on, starting with these copies.
@@ -160,12 +156,11 @@ def launch_copies(dsts: list[int], srcs: list[int], sizes: list[int], ordinal: i
 
 
 PREPARED = 16  # the argument sets kept (a trainer's two versions, an engine's two, a few more)
-_launches: dict[tuple[Any, ...], list[tuple[int, Any, Any]]] = {}
-_launches_lock: Any = None
 
 
 def _prepared(dsts: list[int], srcs: list[int], sizes: list[int], ordinal: int, blocks_max: int) -> list[Any]:
-    """The launches for these copies: ``(blocks, argument pointer, argument)`` each, kept.
+    """The launches for these copies: ``(blocks, kernelParams address, what it points at)`` each,
+    kept in ``_driver._kernel_launches``.
 
     Filling the argument structs costs about 0.1 ms per 291 copies on the
     development machine (0.25 on the H200 machine's host), and the same copies
@@ -174,19 +169,15 @@ def _prepared(dsts: list[int], srcs: list[int], sizes: list[int], ordinal: int, 
     The driver copies an argument when the launch is queued, so one kept
     argument serves any number of launches, on any stream.
     """
-    global _launches_lock
     import ctypes
 
-    if _launches_lock is None:
-        import threading
-
-        _launches_lock = threading.Lock()
+    kept = _driver._kernel_launches
     key = (ordinal, tuple(dsts), tuple(srcs), tuple(sizes))
-    with _launches_lock:
-        found = _launches.pop(key, None)
+    with _driver._kernel_launches_lock:
+        found = kept.pop(key, None)
         if found is not None:
-            _launches[key] = found  # the most recent last: the oldest goes first
-            return found
+            kept[key] = found  # the most recent last: the oldest goes first
+            return found  # type: ignore[no-any-return]
     launches = []
     for start in range(0, len(sizes), REGIONS):
         args = _Regions()
@@ -203,11 +194,11 @@ def _prepared(dsts: list[int], srcs: list[int], sizes: list[int], ordinal: int, 
         args.count = count
         args.first[count] = chunks
         pointer = (ctypes.c_void_p * 1)(ctypes.addressof(args))
-        launches.append((min(chunks, blocks_max), pointer, args))  # args: the pointer's target stays alive
-    with _launches_lock:
-        _launches[key] = launches
-        while len(_launches) > PREPARED:
-            del _launches[next(iter(_launches))]
+        launches.append((min(chunks, blocks_max), ctypes.addressof(pointer), (pointer, args)))
+    with _driver._kernel_launches_lock:
+        kept[key] = launches
+        while len(kept) > PREPARED:
+            del kept[next(iter(kept))]
     return launches
 
 
