@@ -49,6 +49,7 @@ from . import _loader
 from ._batch import SlotArray, SlotWriter
 from ._loader import SlotLoader
 from ._loader_workers import prepare_loaders
+from ._torch_trainer import TrainerWeights, train_in_set
 from ._torch_weights import (
     as_tensor,
     as_tensors,
@@ -61,6 +62,7 @@ from ._torch_weights import (
 
 __all__ = [
     "DataLoader",
+    "TrainerWeights",
     "as_tensor",
     "as_tensors",
     "bind",
@@ -69,6 +71,7 @@ __all__ = [
     "prepare_loaders",
     "publish_state_dict",
     "state_dict_layout",
+    "train_in_set",
 ]
 
 _NUMPY_DTYPES = {

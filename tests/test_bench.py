@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -632,6 +633,9 @@ def test_weight_sync_layouts_are_the_models_and_cells_that_cannot_fit_are_skippe
     reason = ws.fit_reason(ws.GS_COPY, 2, nbytes, free, 0)
     assert reason is not None and "x 5 copies" in reason and "79.0 GiB free on cuda:0" in reason
     assert ws.fit_reason(ws.GS_ZERO, 8, nbytes, free, 0) is None  # zero-copy engines make no copies
+    # trained in the set: the trainer's weights are the one version (3 copies for 2 engines, not 5)
+    assert ws.fit_reason(ws.GS_IN_SET, 2, nbytes, free, 0) is None
+    assert "x 5 copies" in (ws.fit_reason(ws.GS_IN_SET, 4, nbytes, free, 0) or "")
     assert ws.fit_reason(ws.LOCAL, 8, ws.layout_bytes(small), free, 0) is None
     # torch's flattened bucket keeps last sync's bucket until the engines let go: three trainer copies
     flat = ws.fit_reason(ws.TORCH_FLAT, 2, nbytes, free, 0)
@@ -648,12 +652,16 @@ def test_weight_sync_goals_are_judged_against_the_floor_and_the_best_torch_patte
     for system, us in ((ws.LOCAL, 4200), (ws.TORCH_TENSOR, 29400), (ws.TORCH_FLAT, 8300), (ws.TORCH_KEPT, 7000)):
         scenario.systems[system] = Series(cells={"1": Cell.of([us * 1000])})
     scenario.systems[ws.GS_COPY] = Series(cells={"1": Cell.of([4600 * 1000])})
+    scenario.systems[ws.GS_IN_SET] = Series(cells={"1": Cell.of([4400 * 1000])})
     scenario.systems[ws.GS_INPLACE] = Series(cells={"1": Cell.of([150 * 1000])})
     status = {goal.text: _goal_status({"weight_sync": scenario}, scenario, goal) for goal in scenario.goals}
     assert status[f"{ws.GS_COPY} <= 1.2x {ws.LOCAL}"] == (True, "1.10x")
     assert status[f"{ws.GS_COPY} >= 4x faster than {ws.TORCH_TENSOR}"] == (True, "0.16x, 6.39x faster")
     best = status[f"{ws.GS_COPY} >= 1.1x faster than the best torch pattern"]
     assert best == (True, "0.66x, 1.52x faster")  # against the kept bucket
+    assert status[f"{ws.GS_IN_SET} <= 1.2x {ws.LOCAL}"] == (True, "1.05x")
+    assert status[f"{ws.GS_IN_SET} >= 4x faster than {ws.TORCH_TENSOR}"] == (True, "0.15x, 6.68x faster")
+    assert status[f"{ws.GS_IN_SET} >= 1.1x faster than the best torch pattern"] == (True, "0.63x, 1.59x faster")
     assert status[f"{ws.GS_INPLACE} <= 100 us"] == (False, "150 us")
     assert status[f"{ws.GS_ZERO} <= the {ws.LOCAL} floor"] == (None, "-")  # not measured
 
@@ -668,7 +676,8 @@ def test_weight_sync_goals_are_judged_against_the_floor_and_the_best_torch_patte
     assert f"- Target, engines 1: {ws.GS_INPLACE} <= 100 us: not met (150 us)." in markdown
     assert "| 1 | 9,000 (+0) |" in markdown and f"- {ws.GS_ZERO}, engines 1: skipped: needs about 90 GiB" in markdown
     report = _scenario_json({"weight_sync": scenario}, scenario)
-    assert [g["met"] for g in report["goals"]] == [True, True, True, False, None, None]  # zero-copy: unmeasured
+    # copy's three, trained-in-the-set's three, the in-place publish, zero-copy's two (unmeasured)
+    assert [g["met"] for g in report["goals"]] == [True, True, True, True, True, True, False, None, None]
     assert report["details"]["memory"]["1"][ws.GS_COPY]["used_mib"] == 9000
     assert report["systems"][ws.GS_ZERO]["skips"] == {"1": "needs about 90 GiB"}
 
@@ -683,7 +692,7 @@ def test_weight_sync_cells_run_on_the_host_with_a_small_layout() -> None:
 
     shapes = ws.llama_shapes(layers=2, hidden=64, intermediate=96, heads=4, kv_heads=2, vocab=128)
     with mp.Manager() as manager:
-        for system in (ws.LOCAL, ws.GS_COPY, ws.GS_ZERO, ws.GS_BOUND, ws.GS_INPLACE):
+        for system in (ws.LOCAL, ws.GS_COPY, ws.GS_IN_SET, ws.GS_ZERO, ws.GS_BOUND, ws.GS_INPLACE):
             samples, memory = ws.run_cell(manager, shapes, system, 2, "cpu", iters=3, warmup=1)
             assert len(samples) == 3 and min(samples) > 0 and memory is None, system
         with pytest.raises(BenchError, match="needs CUDA"):
@@ -844,6 +853,33 @@ def test_dataloader_gpu_samples_judges_device_memory_and_its_flatness(tmp_path: 
     assert f"| {per_epoch} | - | 1,000 | - |" in markdown  # batches/s: the pending cell's 1 ms per batch
 
 
+# torch's own spawned DataLoader worker has aborted now and then ("terminate called without an active
+# exception", then SIGABRT: twice in some 40 runs of the test below, in CI and on a GPU machine; never in 200
+# loaders of the same dataset made alone). The worker imports nothing of gpushare that runs a thread. The
+# test below checks gpushare's plumbing, so it runs the scenario once more when that is its only fault.
+TORCH_WORKER_ABORTED = re.compile(r"DataLoader worker \(pid\(?s?\)? [0-9, ]+\) is killed by signal: Aborted")
+
+
+def _only_torch_workers_aborted(scenario: dict[str, Any], torch_system: str) -> bool:
+    faults = {name: system["errors"] for name, system in scenario["systems"].items() if system["errors"]}
+    return list(faults) == [torch_system] and all(TORCH_WORKER_ABORTED.search(e) for e in faults[torch_system].values())
+
+
+def test_only_torch_workers_aborted_names_that_fault_alone() -> None:
+    torch_abort = "RuntimeError: DataLoader worker (pid 28213) is killed by signal: Aborted. "
+
+    def scenario(torch_errors: dict[str, str], gs_errors: dict[str, str]) -> dict[str, Any]:
+        return {"systems": {"torch": {"errors": torch_errors}, "gs": {"errors": gs_errors}}}
+
+    assert _only_torch_workers_aborted(scenario({"a": torch_abort}, {}), "torch")
+    assert not _only_torch_workers_aborted(scenario({}, {}), "torch")  # nothing to run again
+    assert not _only_torch_workers_aborted(scenario({"a": torch_abort}, {"a": "BenchError: wrong batch"}), "torch")
+    assert not _only_torch_workers_aborted(scenario({"a": "BenchError: wrong batch"}, {}), "torch")
+    assert not _only_torch_workers_aborted(scenario({}, {"a": torch_abort}), "torch")  # gpushare's is ours
+    killed = "RuntimeError: DataLoader worker (pid 28213) is killed by signal: Killed. "
+    assert not _only_torch_workers_aborted(scenario({"a": killed}, {}), "torch")
+
+
 @pytest.mark.timeout(150)
 def test_dataloader_cpu_samples_runs_on_the_cpu_and_a_wrong_batch_fails_the_cell(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -860,14 +896,19 @@ def test_dataloader_cpu_samples_runs_on_the_cpu_and_a_wrong_batch_fails_the_cell
     monkeypatch.setattr(dc, "WORKERS", (1,))
     monkeypatch.setattr(dc, "QUICK", dc.Counts(count=3, repeats=2, warmup=2))
     monkeypatch.setattr(dc, "PREPARE_HEAD", 0.5)
-    bench = _loader_bench(tmp_path, dc.KEY)
     rows = ["uint8, 1 workers", "float32, 1 workers"]
     firsts = [r for row in rows for r in (row, f"{row}: another loader")]  # the cell's loader, then a second
     prepared = [f"{row}: first loader after prepare_loaders()" for row in rows]  # gpushare's only
-    assert [(t.system, t.row) for t in bench.tasks] == [(system, row) for row in rows for system in dc.SYSTEMS]
-    bench.run()
-    cli.write_reports(bench, str(tmp_path))
-    report = json.loads((tmp_path / "benchmarks.json").read_text(encoding="utf-8"))
+    for attempt in (1, 2):
+        out = tmp_path / f"attempt{attempt}"
+        bench = _loader_bench(out, dc.KEY)
+        assert [(t.system, t.row) for t in bench.tasks] == [(system, row) for row in rows for system in dc.SYSTEMS]
+        bench.run()
+        cli.write_reports(bench, str(out))
+        report = json.loads((out / "benchmarks.json").read_text(encoding="utf-8"))
+        if attempt == 1 and _only_torch_workers_aborted(report["scenarios"][dc.KEY], dc.TORCH_LOADER):
+            continue
+        break
     assert list(report["scenarios"]) == [dc.KEY, dc.FIRST_KEY]
     main, first = report["scenarios"][dc.KEY], report["scenarios"][dc.FIRST_KEY]
     for name in dc.SYSTEMS:
@@ -886,7 +927,7 @@ def test_dataloader_cpu_samples_runs_on_the_cpu_and_a_wrong_batch_fails_the_cell
     assert [table["caption"].split(" ", 1)[1] for table in main["tables"]] == [
         "batches per second (1e6 / median us per batch)"
     ]
-    assert dc.HOW in (tmp_path / "benchmarks.md").read_text(encoding="utf-8")
+    assert dc.HOW in (out / "benchmarks.md").read_text(encoding="utf-8")
     steps = [n for n in first["notes"] if n.startswith(f"{dc.GS_LOADER}, ")]
     assert len(steps) == 2 and all("started" in n and "collated" in n and "returned" in n for n in steps), steps
 

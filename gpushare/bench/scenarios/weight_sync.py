@@ -24,6 +24,10 @@ system says otherwise; one sync ends when every engine has acked:
 * ``gpushare copy``: ``gpushare.torch.publish_state_dict`` (one multi-tensor copy into
   a version), engines waiting in ``reader.wait()`` take it and ``snap.copy_to`` their
   tensors (one batched copy), synchronize, release.
+* ``gpushare copy, trainer's weights in the set``: the trainer's module was moved
+  into a one-version set (``gpushare.torch.train_in_set``); its step writes the
+  version inside ``weights.update()`` (not timed), whose end publishes it with no
+  copy; engines copy it as in ``gpushare copy``. The sync is the engines' copies.
 * ``gpushare zero-copy``: the same publish; an engine acks once it holds the new
   snapshot (its weights from then on) and released the one before: time from the
   trainer's publish until every engine holds the new version.
@@ -78,12 +82,14 @@ TORCH_TENSOR = "torch per-tensor"
 TORCH_FLAT = "torch flattened bucket"
 TORCH_KEPT = "torch kept bucket"
 GS_COPY = "gpushare copy"
+GS_IN_SET = "gpushare copy, trainer's weights in the set"
 GS_ZERO = "gpushare zero-copy"
 GS_BOUND = "gpushare zero-copy, module bound"
 GS_INPLACE = "gpushare in-place publish"
-SYSTEMS = (LOCAL, TORCH_TENSOR, TORCH_FLAT, TORCH_KEPT, GS_COPY, GS_ZERO, GS_BOUND, GS_INPLACE)
+SYSTEMS = (LOCAL, TORCH_TENSOR, TORCH_FLAT, TORCH_KEPT, GS_COPY, GS_IN_SET, GS_ZERO, GS_BOUND, GS_INPLACE)
 TORCH_SYSTEMS = (TORCH_TENSOR, TORCH_FLAT, TORCH_KEPT)
-GS_SYSTEMS = (GS_COPY, GS_ZERO, GS_BOUND, GS_INPLACE)
+GS_SYSTEMS = (GS_COPY, GS_IN_SET, GS_ZERO, GS_BOUND, GS_INPLACE)
+GS_COPYING = (GS_COPY, GS_IN_SET)  # engines that copy each version into weights of their own
 ZERO_COPY = (GS_ZERO, GS_BOUND, GS_INPLACE)  # engines whose weights are the versions: no copy of their own
 # torch keeps every storage it sent through CUDA IPC until its receivers let go, and a receiver that exits
 # first leaves it kept for good: on an H100 the 8B per-tensor cell left 15 GiB held by the bench's process,
@@ -116,7 +122,10 @@ HOW = (
     "bucket whose handle engines keep; the trainer packs it (`torch._foreach_copy_`) and synchronizes. "
     "`gpushare copy`: `publish_state_dict` into a version, engines `snap.copy_to` their tensors; both copy "
     "with gpushare's region-copy kernel where it could be built (one launch per 96 tensors; in the 2026-11-26 "
-    "H200 runs it was, and later runs name its status in the table above), else one batched driver copy. `gpushare "
+    "H200 runs it was, and later runs name its status in the table above), else one batched driver copy. "
+    "`gpushare copy, trainer's weights in the set`: the trainer's parameters moved into a one-version set "
+    "(`gpushare.torch.train_in_set`); its step writes them inside `weights.update()`, whose end publishes with "
+    "no copy (timed from there); engines copy as in `gpushare copy`. `gpushare "
     "zero-copy`: the same publish; an engine acks once it holds the new snapshot (its weights). `gpushare "
     "zero-copy, module bound`: the same, and the engine binds a module's parameters to the snapshot "
     "(`gpushare.torch.bind`, what an inference engine runs) before it acks. `gpushare "
@@ -176,6 +185,8 @@ def copies(system: str, engines: int) -> int:
         return 2 + engines  # the trainer's weights and its bucket
     if system == GS_COPY:
         return 1 + VERSIONS + engines
+    if system == GS_IN_SET:
+        return 1 + engines  # the trainer's weights are the set's one version
     return 1 + VERSIONS  # zero-copy engines use the versions as their weights (ZERO_COPY)
 
 
@@ -195,24 +206,25 @@ def goals(rows: list[str]) -> list[Goal]:
     """The targets printed per row (issue 24)."""
     out: list[Goal] = []
     for row in rows:
-        out += [
-            Goal(GS_COPY, row, Target("ratio_max", COPY_TARGET), f"{GS_COPY} <= {COPY_TARGET:g}x {LOCAL}"),
-            Goal(
-                GS_COPY,
-                row,
-                Target("ratio_max", round(1 / TORCH_SPEEDUP, 4)),
-                f"{GS_COPY} >= {TORCH_SPEEDUP:g}x faster than {TORCH_TENSOR}",
-                (TORCH_TENSOR,),
-            ),
-            Goal(
-                GS_COPY,
-                row,
-                Target("ratio_max", round(1 / BEST_TORCH_SPEEDUP, 4)),
-                f"{GS_COPY} >= {BEST_TORCH_SPEEDUP:g}x faster than the best torch pattern",
-                TORCH_SYSTEMS,
-            ),
-            Goal(GS_INPLACE, row, Target("us_max", INPLACE_US), f"{GS_INPLACE} <= {INPLACE_US:g} us"),
-        ]
+        for system in GS_COPYING:  # the copy-mode targets: the state dict published, then trained in the set
+            out += [
+                Goal(system, row, Target("ratio_max", COPY_TARGET), f"{system} <= {COPY_TARGET:g}x {LOCAL}"),
+                Goal(
+                    system,
+                    row,
+                    Target("ratio_max", round(1 / TORCH_SPEEDUP, 4)),
+                    f"{system} >= {TORCH_SPEEDUP:g}x faster than {TORCH_TENSOR}",
+                    (TORCH_TENSOR,),
+                ),
+                Goal(
+                    system,
+                    row,
+                    Target("ratio_max", round(1 / BEST_TORCH_SPEEDUP, 4)),
+                    f"{system} >= {BEST_TORCH_SPEEDUP:g}x faster than the best torch pattern",
+                    TORCH_SYSTEMS,
+                ),
+            ]
+        out.append(Goal(GS_INPLACE, row, Target("us_max", INPLACE_US), f"{GS_INPLACE} <= {INPLACE_US:g} us"))
         if row == "1":
             for system in (GS_ZERO, GS_BOUND):  # the target, then what an engine that binds a module meets
                 out.append(Goal(system, row, Target("ratio_max", 1.0), f"{system} <= the {LOCAL} floor"))
@@ -236,8 +248,8 @@ def plan(bench: Bench) -> None:
                 "engines",
                 rows,
                 floor=(key, LOCAL),
-                ratio_systems=[*TORCH_SYSTEMS, GS_COPY, GS_ZERO, GS_BOUND],
-                extra_ratios=[(GS_COPY, TORCH_TENSOR), (GS_COPY, TORCH_KEPT)],
+                ratio_systems=[*TORCH_SYSTEMS, GS_COPY, GS_IN_SET, GS_ZERO, GS_BOUND],
+                extra_ratios=[(GS_COPY, TORCH_TENSOR), (GS_COPY, TORCH_KEPT), (GS_IN_SET, TORCH_KEPT)],
                 plot=False,
                 goals=goals(rows),
             )
@@ -408,7 +420,19 @@ def run_cell(
     ts = None
     bucket = None
     views: list[Any] = []
-    if system in GS_SYSTEMS:
+    weights: Any = None  # GS_IN_SET: the trainer's module, trained in the set's one version
+    update: Any = None  # ... and the update() a step runs in (entered by between(), left by step())
+    if system == GS_IN_SET:
+        from ...torch import train_in_set
+
+        ts = manager.tensor_set(state_dict_layout(state), versions=1, device=device)
+        weights = train_in_set(_module_over(torch, state), ts, timeout=TIMEOUT)  # version 1
+        params = dict(weights.module.named_parameters())
+        state.update(params)  # the randn tensors go: the version is the trainer's only copy of its weights
+        tensors[:] = params.values()
+        if cuda:
+            torch.cuda.empty_cache()  # so that the memory figures see them gone
+    elif system in GS_SYSTEMS:
         ts = manager.tensor_set(state_dict_layout(state), versions=VERSIONS, device=device)
         publish_state_dict(ts, state)  # both versions written once, so an in-place draft starts from weights
         publish_state_dict(ts, state)
@@ -443,6 +467,10 @@ def run_cell(
         free_ready = _free(device)
 
         def between() -> None:
+            nonlocal update
+            if weights is not None:  # the version taken back for the step (engines let go of it after copying)
+                update = weights.update(timeout=TIMEOUT)
+                update.__enter__()
             if tensors:  # the trainer's step (not timed): every version differs
                 with torch.no_grad():
                     torch._foreach_add_(tensors, 1.0)
@@ -472,6 +500,9 @@ def run_cell(
                 collect()
                 del flat
                 torch.cuda.ipc_collect()
+            elif system == GS_IN_SET:  # the update's end publishes the version the step wrote
+                update.__exit__(None, None, None)
+                collect()
             else:  # gpushare copy / zero-copy: engines wait in reader.wait()
                 publish_state_dict(ts, state, timeout=TIMEOUT)
                 collect()
@@ -535,6 +566,7 @@ def run_cell(
             parent.close()
         if ts is not None:
             ts.close()
+        update = weights = None  # the module trained in the set: its parameters hold the version
         state.clear()  # the trainer's tensors go before the next cell allocates
         tensors.clear()
         views.clear()
@@ -604,7 +636,7 @@ def engine(
                 except TensorSetClosedError:
                     break
                 version = snap.version
-                if system == GS_COPY:
+                if system in GS_COPYING:
                     snap.copy_to(mine)  # one batched copy, after the version's ready event
                     if cuda:
                         torch.cuda.synchronize(dev)
@@ -621,7 +653,7 @@ def engine(
                     prev = snap
                     conn.send(1)
             held: Any = prev
-            if system == GS_COPY:
+            if system in GS_COPYING:
                 final = targets
             elif system == GS_BOUND:
                 assert module is not None

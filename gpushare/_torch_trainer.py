@@ -1,0 +1,209 @@
+"""A trainer whose weights live in a tensor set: it trains them in place and publishes without a copy.
+
+Re-exported by :mod:`gpushare.torch`::
+
+    ts = manager.tensor_set(state_dict_layout(model.state_dict()), versions=1, device=0)
+    weights = train_in_set(model, ts)        # the parameters are the set's one version now; version 1
+    optimizer = torch.optim.AdamW(model.parameters())
+    for step in range(steps):
+        loss = compute_loss(model)
+        loss.backward()
+        with weights.update():               # the version, once no engine is reading it
+            optimizer.step()                 # writes it in place
+        optimizer.zero_grad()                # published when the block ended: engines copy it
+
+    def engine(reader):                      # copy mode: copy the version, let go of it at once
+        with reader.wait(newer_than=version) as snap:
+            load_state_dict(engine_model, snap)
+
+Why: with :func:`~gpushare.torch.publish_state_dict`, a sync moves the
+weights twice (the trainer's copy into a version, then each engine's copy
+out of it) and the trainer keeps its weights plus ``versions`` copies. Here
+the trainer's parameters *are* the version: a sync is each engine's copy,
+and the trainer keeps one copy of its weights.
+
+Protocol:
+
+* The set has one version (``versions=1``), which is the trainer's weights.
+  :func:`train_in_set` takes it as a draft, copies the module's state dict
+  into it (:func:`~gpushare.torch.publish_state_dict`'s copy), waits for the
+  copy once, and points each parameter at its tensor in the version
+  (``param.data = view``: the same Parameter objects, so an optimizer made
+  before or after, and hooks, keep working); the memory the parameters had is
+  freed. Then it publishes the version: version 1.
+* :meth:`TrainerWeights.update` takes the version as a draft again: it waits
+  on the host, at most ``timeout`` seconds, while an engine holds it (a
+  copy-mode engine holds it only while it queues its copy), and torch's
+  current stream waits on the GPU for the engines' reads (their release
+  events). It checks that every parameter still views the version, runs the
+  block, copies in what does not live in the version (buffers, and a tied
+  parameter's second name) on that stream, and publishes the version on it.
+  An exception in the block gives the version back unpublished: engines wait
+  for the next one.
+* Between updates the version is published: engines copy it while the
+  trainer's forward and backward read it. A write to a parameter outside
+  ``update()`` writes a version engines may be copying.
+* Engines must copy and let go (``load_state_dict`` or ``snap.copy_to``,
+  then release): a bound engine (:func:`~gpushare.torch.bind`) holds the
+  version, and ``update()`` would wait for it until its timeout. A set for
+  bound engines needs two versions and ``publish_state_dict``.
+* :meth:`TrainerWeights.detach` (also ``close()``, and leaving
+  ``with train_in_set(...)``) gives each parameter memory of its own again (a
+  copy) and leaves the set alone; until then the parameters keep the
+  version's memory alive, even past the set's ``close()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from ._errors import LayoutError
+from ._torch_weights import _match, _owner_of, _stream_of, _version_tensors, publish_state_dict
+
+__all__ = ["TrainerWeights", "train_in_set"]
+
+
+def train_in_set(module: torch.nn.Module, tensor_set: Any, *, timeout: float | None = None) -> TrainerWeights:
+    """Move ``module``'s parameters into ``tensor_set``'s one version and publish it (version 1).
+
+    ``tensor_set`` must be made with ``versions=1`` from this module's
+    ``state_dict_layout(module.state_dict())``, on the module's device. Then
+    write the parameters only inside :meth:`TrainerWeights.update`, which
+    publishes them. ``timeout`` bounds each wait for engines that hold the
+    version (:class:`~gpushare.WaitTimeoutError` naming them). See
+    :mod:`gpushare._torch_trainer` for the protocol.
+    """
+    return TrainerWeights(module, tensor_set, timeout)
+
+
+class TrainerWeights:
+    """A module whose parameters live in a one-version tensor set (:func:`train_in_set`)."""
+
+    def __init__(self, module: torch.nn.Module, tensor_set: Any, timeout: float | None) -> None:
+        if tensor_set.versions != 1:
+            raise LayoutError(
+                f"train_in_set() needs a tensor set made with versions=1 (this one has {tensor_set.versions}): "
+                "the trainer's weights are its one version, written in place; for engines that hold versions "
+                "(bind), publish copies with publish_state_dict() into a set of two"
+            )
+        own, _ = _match(module, tensor_set.layout, strict=True)
+        self.module = module
+        self.tensor_set = tensor_set
+        self.timeout = timeout
+        self.version = 0  # the last version published from here
+        self._device = tensor_set.device
+        first: dict[int, str] = {}  # a parameter's id -> the first name it has in the state dict
+        self._params: list[tuple[str, torch.nn.Parameter]] = []  # what lives in the version
+        self._copied: list[tuple[str, torch.nn.Module, str, bool]] = []  # what update() copies in
+        for name, tensor in own.items():
+            if isinstance(tensor, torch.nn.Parameter) and id(tensor) not in first:
+                first[id(tensor)] = name
+                self._params.append((name, tensor))
+            else:  # a buffer, or a tied parameter's second name
+                owner, attribute = _owner_of(module, name)
+                self._copied.append((name, owner, attribute, isinstance(tensor, torch.nn.Parameter)))
+        where = torch.device("cpu") if self._device == "cpu" else torch.device("cuda", self._device)
+        elsewhere = [name for name, param in self._params if param.device != where]
+        if elsewhere:
+            raise LayoutError(
+                f"parameters {elsewhere[:3]} are not on {where}, where the tensor set is: move the module "
+                "there first, or make the set on the module's device"
+            )
+        self._ptrs: list[int] = []
+        self._in_update = False
+        self._detached = False
+        on = _stream_of(self._device)
+        # The copy, then the parameters moved onto the version; their own memory goes once the
+        # copy is done (waited for here, once: the caching allocator would hand it out at once).
+        version = publish_state_dict(tensor_set, module.state_dict(), stream=on, timeout=timeout)
+        if on is not None:
+            on.synchronize()
+        views = _version_tensors(tensor_set, 0)
+        with torch.no_grad():
+            for name, param in self._params:
+                param.data = views[name]
+        self._ptrs = [param.data_ptr() for _, param in self._params]
+        self.version = version
+
+    @property
+    def detached(self) -> bool:
+        return self._detached
+
+    @contextlib.contextmanager
+    def update(self, timeout: float | None = None) -> Iterator[TrainerWeights]:
+        """Write the parameters in the block (an optimizer's step); publish them when it ends.
+
+        Waits at most ``timeout`` (default: the one given to :func:`train_in_set`)
+        for engines that hold the version; on a GPU, torch's current stream
+        waits for their reads. On leaving the block, buffers (and a tied
+        parameter's second name) are copied into the version and it is
+        published on torch's current stream; :attr:`version` is its number.
+        An exception in the block publishes nothing (engines wait for the next
+        version) and is raised again.
+        """
+        if self._detached:
+            raise LayoutError("these weights were detached from their tensor set; call train_in_set() again")
+        if self._in_update:
+            raise LayoutError("update() is already running for these weights (updates do not nest)")
+        moved = [name for (name, param), ptr in zip(self._params, self._ptrs, strict=True) if param.data_ptr() != ptr]
+        if moved:
+            raise LayoutError(
+                f"{len(moved)} parameter(s) no longer view the tensor set ({moved[:3]}): the module was moved, "
+                "cast or given new tensors; detach() and call train_in_set() again"
+            )
+        tensor_set = self.tensor_set
+        on = _stream_of(self._device)
+        draft = tensor_set.draft(self.timeout if timeout is None else timeout, stream=on)
+        self._in_update = True
+        try:
+            try:
+                yield self
+                if self._copied:
+                    version = _version_tensors(tensor_set, draft.slot)
+                    outs = [version[name] for name, *_ in self._copied]
+                    ins = [_current(*copied) for copied in self._copied]
+                    with torch.no_grad(), torch.cuda.stream(on) if on is not None else contextlib.nullcontext():
+                        torch._foreach_copy_(outs, ins)
+            except BaseException:
+                draft.release()
+                raise
+            self.version = int(tensor_set.publish(draft, stream=on))
+        finally:
+            self._in_update = False
+
+    def detach(self) -> None:
+        """Give every parameter memory of its own again (a copy of its values) and leave the set.
+        Idempotent; not inside :meth:`update`."""
+        if self._detached:
+            return
+        if self._in_update:
+            raise LayoutError("detach() inside update(): leave the block first")
+        on = _stream_of(self._device)
+        with torch.no_grad(), torch.cuda.stream(on) if on is not None else contextlib.nullcontext():
+            for _, param in self._params:
+                param.data = param.data.clone()
+        self._detached = True
+
+    close = detach
+
+    def __enter__(self) -> TrainerWeights:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.detach()
+
+    def __repr__(self) -> str:
+        state = "detached" if self._detached else f"version {self.version}"
+        return f"<gpushare.torch.TrainerWeights {len(self._params)} parameters in a tensor set, {state}>"
+
+
+def _current(name: str, owner: torch.nn.Module, attribute: str, is_param: bool) -> torch.Tensor:
+    """The module's tensor ``name`` now (a buffer may have been replaced since)."""
+    tensor = (owner._parameters if is_param else owner._buffers).get(attribute)
+    if tensor is None:
+        raise LayoutError(f"the module has no tensor {name!r} any more; the tensor set's layout has it")
+    return tensor
