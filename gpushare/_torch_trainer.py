@@ -90,7 +90,13 @@ class TrainerWeights:
                 "the trainer's weights are its one version, written in place; for engines that hold versions "
                 "(bind), publish copies with publish_state_dict() into a set of two"
             )
-        own, _ = _match(module, tensor_set.layout, strict=True)
+        own, keys = _match(module, tensor_set.layout, strict=False)
+        if keys.missing_keys or keys.unexpected_keys:
+            raise LayoutError(
+                f"the tensor set's layout does not match the module's state dict: the module has "
+                f"{keys.missing_keys[:5]} besides, the layout {keys.unexpected_keys[:5]}; make the set from "
+                "state_dict_layout(module.state_dict())"
+            )
         self.module = module
         self.tensor_set = tensor_set
         self.timeout = timeout

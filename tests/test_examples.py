@@ -16,11 +16,14 @@ EXAMPLES = [
     "ring_pipeline.py",
     "dataloader_gpu.py",
     "weight_sync.py",
+    "train_in_set.py",
 ]
 
 
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_example_runs_on_host_backend(name: str) -> None:
+    if name == "train_in_set.py":
+        pytest.importorskip("torch")  # torch's CPU build is enough
     out = subprocess.run(
         [sys.executable, os.path.join(ROOT, "examples", name)],
         capture_output=True,
@@ -39,6 +42,10 @@ def test_example_runs_on_host_backend(name: str) -> None:
     if name == "weight_sync.py":
         assert "backend: host (NumPy)" in out.stdout
         assert out.stdout.count("[ok]") == 4, out.stdout  # two copy-mode and two zero-copy engines
+        assert "leases outstanding after the engines exited: 0" in out.stdout
+    if name == "train_in_set.py":
+        assert "backend: host on cpu" in out.stdout
+        assert out.stdout.count("(last 20), 0 checksum mismatch(es) [ok]") == 2, out.stdout  # a slow engine skips some
         assert "leases outstanding after the engines exited: 0" in out.stdout
 
 
@@ -98,3 +105,17 @@ def test_weight_sync_example_runs_on_gpu() -> None:
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "on GPU 0 (torch" in out.stdout and out.stdout.count("[ok]") == 4, out.stdout
+
+
+@pytest.mark.gpu
+def test_train_in_set_example_runs_on_gpu() -> None:
+    pytest.importorskip("torch")
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", "train_in_set.py")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=subprocess_env(),
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "on cuda:0" in out.stdout and out.stdout.count("0 checksum mismatch(es) [ok]") == 2, out.stdout
