@@ -20,18 +20,32 @@ EXAMPLES = [
 ]
 
 
+# examples on a GPU: name -> (what its output says of the device, its "[ok]" lines, whether it needs torch)
+GPU_EXAMPLES = {
+    "fanout.py": ("backend: cuda_ipc on 0", 4, False),
+    "dataloader_gpu.py": ("slots on cuda:0", 3, True),
+    "weight_sync.py": ("on GPU 0 (torch", 4, True),
+    "train_in_set.py": ("on cuda:0", 2, True),
+}
+
+
+def _run_example(name: str, *args: str, timeout: float, **env: str) -> subprocess.CompletedProcess[str]:
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", name), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=subprocess_env(**env),
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out
+
+
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_example_runs_on_host_backend(name: str) -> None:
     if name == "train_in_set.py":
         pytest.importorskip("torch")  # torch's CPU build is enough
-    out = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "examples", name)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=subprocess_env(GPUSHARE_BACKEND="host"),
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
+    out = _run_example(name, timeout=120, GPUSHARE_BACKEND="host")
     assert "Traceback" not in out.stderr
     if name == "fanout.py":
         assert "backend: host" in out.stdout
@@ -49,73 +63,19 @@ def test_example_runs_on_host_backend(name: str) -> None:
         assert "leases outstanding after the engines exited: 0" in out.stdout
 
 
-@pytest.mark.gpu
-def test_fanout_example_runs_on_gpu() -> None:
-    out = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "examples", "fanout.py")],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=subprocess_env(),
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "backend: cuda_ipc on 0" in out.stdout
-    assert out.stdout.count("[ok]") == 4
-
-
 def test_ray_pipeline_example_runs_on_host_backend() -> None:
     pytest.importorskip("ray")
-    out = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "examples", "ray_pipeline.py"), "--batches", "2"],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=subprocess_env(GPUSHARE_BACKEND="host"),
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
+    out = _run_example("ray_pipeline.py", "--batches", "2", timeout=240, GPUSHARE_BACKEND="host")
     assert out.stdout.count("returned as Buffer, same memory: True [ok]") == 2
     assert out.stdout.count("received as ['Buffer']") == 2
     assert "LeakWarning" not in out.stderr and "leaked" not in out.stderr
 
 
 @pytest.mark.gpu
-def test_dataloader_example_runs_on_gpu() -> None:
-    pytest.importorskip("torch")
-    out = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "examples", "dataloader_gpu.py")],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=subprocess_env(),
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "slots on cuda:0" in out.stdout
-    assert "on cuda:0" in out.stdout and out.stdout.count("[ok]") == 3
-
-
-@pytest.mark.gpu
-def test_weight_sync_example_runs_on_gpu() -> None:
-    pytest.importorskip("torch")
-    out = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "examples", "weight_sync.py")],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=subprocess_env(),
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "on GPU 0 (torch" in out.stdout and out.stdout.count("[ok]") == 4, out.stdout
-
-
-@pytest.mark.gpu
-def test_train_in_set_example_runs_on_gpu() -> None:
-    pytest.importorskip("torch")
-    out = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "examples", "train_in_set.py")],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=subprocess_env(),
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "on cuda:0" in out.stdout and out.stdout.count("0 checksum mismatch(es) [ok]") == 2, out.stdout
+@pytest.mark.parametrize("name", list(GPU_EXAMPLES))
+def test_example_runs_on_gpu(name: str) -> None:
+    device_line, oks, needs_torch = GPU_EXAMPLES[name]
+    if needs_torch:
+        pytest.importorskip("torch")
+    out = _run_example(name, timeout=240)
+    assert device_line in out.stdout and out.stdout.count("[ok]") == oks, out.stdout
