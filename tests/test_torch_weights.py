@@ -307,6 +307,56 @@ def test_bind_follows_a_module_whose_tensors_change_between_binds(manager) -> No
         reader.close()
 
 
+def test_load_state_dict_keeps_where_each_tensor_goes_and_follows_a_module_that_changes(manager) -> None:
+    """load_state_dict() works out where each tensor goes once (module.state_dict() walks the module)
+    and checks it after; a parameter given new memory, a submodule or buffer replaced, a parameter
+    added are each seen by the next load, which copies into the module as it is then."""
+    trainer = Net()
+    with manager.tensor_set(state_dict_layout(trainer.state_dict()), versions=2, device="cpu") as ts:
+        reader = pickle.loads(pickle.dumps(ts))
+        engine = Net()
+        walks = 0
+        real_state_dict = engine.state_dict
+
+        def counting_state_dict(*args, **kwargs):
+            nonlocal walks
+            walks += 1
+            return real_state_dict(*args, **kwargs)
+
+        engine.state_dict = counting_state_dict  # type: ignore[method-assign]
+
+        def load(step: int, **kwargs) -> object:
+            tw_step(trainer, step)
+            publish_state_dict(ts, trainer.state_dict(), timeout=5)
+            with reader.latest(timeout=5) as snap:
+                return load_state_dict(engine, snap, **kwargs)
+
+        def same() -> bool:
+            return tw_checksum(real_state_dict()) == tw_checksum(trainer.state_dict())
+
+        load(1)
+        plan = engine.__dict__["_gpushare_load_plan"]
+        for step in (2, 3):
+            load(step)
+            assert same()
+        assert walks == 1 and engine.__dict__["_gpushare_load_plan"] is plan  # checked, not worked out again
+        assert "_gpushare_bind_plan" not in engine.__dict__  # bind()'s plan is its own
+
+        engine.fc2.weight.data = engine.fc2.weight.data.clone()  # the same Parameter, new memory
+        load(4)
+        assert same() and walks == 1  # the copy's own checks see the new address
+        engine.fc1 = torch.nn.Linear(8, 16)  # a new submodule in an old one's place
+        engine.norm.running_mean = torch.zeros(16)  # a buffer replaced
+        load(5)
+        assert same() and walks == 2 and engine.__dict__["_gpushare_load_plan"] is not plan
+        engine.extra = torch.nn.Parameter(torch.zeros(2))
+        with pytest.raises(mp.LayoutError, match="extra"):
+            load(6)
+        assert load(7, strict=False) == (["extra"], [])
+        assert same()
+        reader.close()
+
+
 @pytest.mark.parametrize("engine", ["copy", "bind"])
 def test_engines_in_processes_follow_the_trainers_state_dict(manager, reap, engine) -> None:
     trainer = Net()
