@@ -102,12 +102,12 @@ class TrainerWeights:
         self.timeout = timeout
         self.version = 0  # the last version published from here
         self._device = tensor_set.device
-        first: dict[int, str] = {}  # a parameter's id -> the first name it has in the state dict
+        seen: set[int] = set()  # parameters already placed (under their first name in the state dict)
         self._params: list[tuple[str, torch.nn.Parameter]] = []  # what lives in the version
         self._copied: list[tuple[str, torch.nn.Module, str, bool]] = []  # what update() copies in
         for name, tensor in own.items():
-            if isinstance(tensor, torch.nn.Parameter) and id(tensor) not in first:
-                first[id(tensor)] = name
+            if isinstance(tensor, torch.nn.Parameter) and id(tensor) not in seen:
+                seen.add(id(tensor))
                 self._params.append((name, tensor))
             else:  # a buffer, or a tied parameter's second name
                 owner, attribute = _owner_of(module, name)
