@@ -1,7 +1,8 @@
 """Everything that owns something gives it all back: one accounting test per owner.
 
-Each owner -- a Manager (both owner modes), a ring, a tensor set, a Queue,
-a Pool, a SlotLoader and the torch DataLoader (persistent workers or not) -- is made,
+Each owner -- a Manager (both owner modes), a ring, a tensor set, a trainer
+whose weights live in one (``train_in_set``), a Queue, a Pool, a SlotLoader
+and the torch DataLoader (persistent workers or not) -- is made,
 used and dropped 20 times in this process, once ended explicitly
 (``close()`` / ``with``) and once only dropped (the last reference goes).
 Afterwards these are back to what they were before the first one:
@@ -219,6 +220,40 @@ def test_tensor_sets(backend: str, manager: mp.BufferManager) -> None:
             reader.close()
             ts.close()
         del ts, reader, draft, snap
+
+    account(once, device)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_trainers_in_set(backend: str, manager: mp.BufferManager) -> None:
+    """A trainer whose weights are a one-version set's (gpushare.torch.train_in_set), with an
+    engine reader in this process: its parameters, the set and the reader give everything back,
+    detached and closed or only dropped."""
+    torch = pytest.importorskip("torch")
+    from gpushare.torch import load_state_dict, state_dict_layout, train_in_set
+
+    device = device_for(backend)
+    where = "cpu" if device == "cpu" else f"cuda:{device}"
+    manager.empty((4,), device=device, backend=backend).release()  # the Manager's own first allocation
+
+    def once(close: bool) -> None:
+        model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.BatchNorm1d(8)).to(where)
+        engine = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.BatchNorm1d(8)).to(where)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        ts = manager.tensor_set(state_dict_layout(model.state_dict()), versions=1, device=device, backend=backend)
+        reader = pickle.loads(pickle.dumps(ts))  # an engine, in this process
+        weights = train_in_set(model, ts, timeout=10)
+        model(torch.ones(4, 16, device=where)).sum().backward()
+        with weights.update():
+            optimizer.step()
+        with reader.wait(newer_than=1, timeout=10) as snap:
+            load_state_dict(engine, snap)
+        assert torch.equal(engine[0].weight, model[0].weight.detach())
+        if close:
+            weights.close()
+            reader.close()
+            ts.close()
+        del model, engine, optimizer, ts, reader, weights, snap
 
     account(once, device)
 
