@@ -213,7 +213,8 @@ class Bench:
             try:
                 samples = t.run()
             except Exception as exc:
-                message = f"{type(exc).__name__}: {exc}"
+                # with the notes added to it on its way (a loader's stop after a wrong batch, say)
+                message = "; ".join([f"{type(exc).__name__}: {exc}", *map(str, getattr(exc, "__notes__", ()))])
                 unavailable = _unavailable(exc)
                 if series is None:
                     (scenario.row_skips if unavailable else scenario.row_errors)[t.row] = message

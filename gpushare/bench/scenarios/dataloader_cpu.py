@@ -29,7 +29,7 @@ import contextlib
 import gc
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..results import Check, Scenario, Table, _bind
@@ -41,9 +41,11 @@ from .dataloader_gpu import (
     device_used,
     first_steps,
     loader_skip,
+    note_deaths,
     note_steps,
     rate_table,
     settled_used,
+    stop_loader,
 )
 
 if TYPE_CHECKING:
@@ -109,7 +111,9 @@ HOW = (
     "`torch.cuda.host_memory_stats()` (`allocated_bytes` peak over the cell, its cache emptied before; "
     f"estimated as workers x {PREFETCH} x batch bytes where it is missing); target: gpushare's <= torch's. "
     "Device memory (used memory on the device, all processes, at the end of the timed batches, less before the "
-    "cell) is reported, not judged."
+    "cell) is reported, not judged. "
+    "A torch worker that a signal kills as its loader is stopped (its own abort at exit when stopped with "
+    "batches queued) is a note; the cell, its batches all taken and checked by then, is kept."
 )
 
 
@@ -216,6 +220,7 @@ class CellRun:
     host_how: str  # how host_bytes was had
     device_bytes: int | None  # device bytes in use at the end, less before (None off CUDA)
     steps: dict[str, float] | None = None  # gpushare's: where its first batch went (loader.stats())
+    notes: list[str] = field(default_factory=list)  # torch workers a signal killed (stop_loader)
 
 
 def _host_stats() -> dict[str, Any] | None:
@@ -272,6 +277,8 @@ def run_cell(system: str, dtype: str, workers: int, counts: Counts) -> CellRun:
     loader: Any = None
     it: Any = None
     per_batch: list[int] = []
+    notes: list[str] = []
+    failure: BaseException | None = None
     if system == GS_LOADER:
         cold_start()
     try:
@@ -315,14 +322,17 @@ def run_cell(system: str, dtype: str, workers: int, counts: Counts) -> CellRun:
             else:
                 host_bytes = workers * PREFETCH * batch_bytes(dtype)
                 host_how = f"estimate: workers x {PREFETCH} x batch bytes"
+    except BaseException as exc:
+        failure = exc
+        raise
     finally:
-        _stop(it, loader)
+        notes.extend(stop_loader(it, loader, failure))
         it = loader = None
         gc.collect()
     if seq != total_batches:
         raise BenchError(f"{system}: {seq} batches taken, {total_batches} planned")
     seq = 0  # another loader: its first batch is batch 0 again, checked the same way
-    again = _first_again(system, dataset, workers, take)
+    again = _first_again(system, dataset, workers, take, notes)
     prepared = None
     if system == GS_LOADER:
         from ... import prepare_loaders
@@ -331,29 +341,19 @@ def run_cell(system: str, dtype: str, workers: int, counts: Counts) -> CellRun:
         if prepare_loaders():
             time.sleep(PREPARE_HEAD)  # the script builds its model meanwhile
             seq = 0
-            prepared = _first_again(system, dataset, workers, take)
+            prepared = _first_again(system, dataset, workers, take, notes)
     bad = int(errors.item())
     if bad:
         raise BenchError(f"{system} delivered wrong batches: {bad} values or labels differ from the dataset's")
-    return CellRun(per_batch, first, again, prepared, host_bytes, host_how, device_bytes, steps)
+    return CellRun(per_batch, first, again, prepared, host_bytes, host_how, device_bytes, steps, notes)
 
 
-def _stop(it: Any, loader: Any) -> None:
-    """Stop a loader's workers: its iterator's (torch's) and the loader's own (gpushare's)."""
-    if it is not None:
-        close = getattr(it, "close", None) or getattr(it, "_shutdown_workers", None)
-        if close is not None:
-            close()
-    close = getattr(loader, "close", None)
-    if close is not None:
-        close()
-
-
-def _first_again(system: str, dataset: CpuImages, workers: int, take: Any) -> int:
+def _first_again(system: str, dataset: CpuImages, workers: int, take: Any, notes: list[str]) -> int:
     """Construction to first batch of another loader, made after the cell's (see the module docstring)."""
     clock = time.perf_counter_ns
     loader: Any = None
     it: Any = None
+    failure: BaseException | None = None
     try:
         t0 = clock()
         loader = _make_loader(system, dataset, workers)
@@ -361,8 +361,11 @@ def _first_again(system: str, dataset: CpuImages, workers: int, take: Any) -> in
         images, _ = take(it)
         elapsed = clock() - t0
         del images
+    except BaseException as exc:
+        failure = exc
+        raise
     finally:
-        _stop(it, loader)
+        notes.extend(stop_loader(it, loader, failure))
         it = loader = None
         gc.collect()
     return elapsed
@@ -384,6 +387,7 @@ def measure(bench: Bench, system: str, dtype: str, workers: int, counts: Counts)
             "host_pinned_how": run.host_how,
             "device_mib": None if run.device_bytes is None else round(run.device_bytes / MiB, 1),
         }
+    note_deaths(main, system, row, run.notes)
     refresh(bench, (system, row, run.per_batch))
     return run.per_batch
 

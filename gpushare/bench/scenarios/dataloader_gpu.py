@@ -38,8 +38,9 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..fmt import _size_label
@@ -120,7 +121,9 @@ HOW = (
     "that takes its batches as fast as this one leaves torch's workers about one batch alive each, a paced one "
     "lets them fill their prefetch, while gpushare's slots are allocated up front. Targets: gpushare's <= "
     f"torch's (first epoch, both readings), and growth from the first to the last epoch <= {FLAT_MIB} MiB with a "
-    f"new loader each epoch (judged in the {FULL.flat}-epoch cell; {QUICK.flat} epochs with --quick)."
+    f"new loader each epoch (judged in the {FULL.flat}-epoch cell; {QUICK.flat} epochs with --quick). "
+    "A torch worker that a signal kills as its loader is stopped (its own abort at exit when stopped with "
+    "batches queued) is a note; the cell, its batches all taken and checked by then, is kept."
 )
 
 
@@ -189,6 +192,72 @@ def close_iterator(it: Any) -> None:
     close = getattr(it, "close", None) or getattr(it, "_shutdown_workers", None)
     if close is not None:
         close()
+
+
+def stop_loader(it: Any, loader: Any, failure: BaseException | None) -> list[str]:
+    """Stop a cell's loader at the cell's end: its iterator's workers, then the loader (gpushare's
+    ``close()``, or a persistent torch loader's kept iterator), each step even when one before it
+    raised; return notes on torch workers a signal killed meanwhile.
+
+    torch's own spawned workers now and then die of SIGABRT ("terminate called without an active
+    exception") as they exit after being stopped with batches still queued: the queue's feeder thread
+    is pickling one, inside torch's ``THPStorage_shareFd`` with the GIL let go, when the interpreter
+    finalizes; CPython (3.12 and before) ends such a thread with ``pthread_exit``, whose unwinding
+    cannot cross that C++ frame. torch raises the death from its SIGCHLD handler when the signal lands
+    during its join and lets it pass unseen otherwise. The cell's batches were all taken and checked
+    by then, so such a death is a note (read from the workers' exit codes: each one is told, raised or
+    not) and the cell is kept. Anything else that stopping raises is the cell's error. Where the cell
+    is already failing (``failure``), what stopping raised and the notes are added to that failure
+    instead: a wrong batch is reported as one, not as a worker that died being shut down after it."""
+    notes: list[str] = []
+    errors: list[Exception] = []
+    close = None if loader is None else getattr(loader, "close", None)
+    iterators = [it]
+    if loader is not None and close is None:
+        kept = getattr(loader, "_iterator", None)  # a persistent torch loader's
+        if kept is not it:
+            iterators.append(kept)
+    for each in (i for i in iterators if i is not None):
+        try:
+            close_iterator(each)
+            error: Exception | None = None
+        except Exception as exc:
+            error = exc
+        deaths = signal_deaths(each)
+        notes.extend(deaths)
+        explained = deaths and isinstance(error, RuntimeError) and "killed by signal" in str(error)
+        if error is not None and not explained:
+            errors.append(error)
+    if close is not None:
+        try:
+            close()
+        except Exception as exc:
+            errors.append(exc)
+    if failure is not None:
+        for error in errors:
+            failure.add_note(f"then stopping its loader raised {type(error).__name__}: {error}")
+        for note in notes:
+            failure.add_note(f"then {note}")
+    elif errors:
+        raise errors[0]
+    return notes
+
+
+def signal_deaths(it: Any) -> list[str]:
+    """One line for each worker of torch's iterator ``it`` that a signal killed (gpushare's iterator,
+    with a ``close()``, is not looked at: its workers are gpushare's, and their faults are errors)."""
+    if hasattr(it, "close"):
+        return []
+    lines = []
+    for worker in getattr(it, "_workers", ()):
+        code = worker.exitcode
+        if code is not None and code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            lines.append(f"torch's DataLoader worker (pid {worker.pid}) died of {name} as its loader was stopped")
+    return lines
 
 
 def device_used(device: str) -> int | None:
@@ -311,6 +380,7 @@ class CellRun:
     trainer: list[int]  # the trainer's torch.cuda.memory_allocated at the same moments, less its baseline
     paced: list[int]  # device bytes in use after each epoch's paced batches, less the baseline
     steps: dict[str, float] | None = None  # gpushare's: where its first epoch's first batch went
+    notes: list[str] = field(default_factory=list)  # torch workers a signal killed (stop_loader)
 
 
 def first_steps(loader: Any) -> dict[str, float] | None:
@@ -324,6 +394,12 @@ def note_steps(scenario: Scenario, system: str, row: str, steps: dict[str, float
     if steps:
         marks = ", ".join(f"{name} {seconds:.3f}" for name, seconds in steps.items())
         scenario.notes.append(f"{system}, {row}, first batch, s since `iter()` (`loader.stats()`): {marks}.")
+
+
+def note_deaths(scenario: Scenario, system: str, row: str, notes: list[str]) -> None:
+    """Notes on ``scenario``: torch workers that a signal killed as ``system``'s loader of ``row`` was stopped."""
+    for note in notes:
+        scenario.notes.append(f"{system}, {row}: {note}, after the cell's batches (the cell is kept).")
 
 
 def run_cell(system: str, workers: int, nbytes: int, mode: str, epochs: int) -> CellRun:
@@ -344,6 +420,7 @@ def run_cell(system: str, workers: int, nbytes: int, mode: str, epochs: int) -> 
     loader: Any = None
     it: Any = None
     values: Any = None
+    failure: BaseException | None = None
     try:
         for _ in range(epochs):
             t0 = clock()
@@ -389,6 +466,7 @@ def run_cell(system: str, workers: int, nbytes: int, mode: str, epochs: int) -> 
                 pass
             else:
                 raise BenchError(f"{system} gave more than the {per_epoch} batches of an epoch")
+            run.notes.extend(signal_deaths(it))  # torch stopped its workers at StopIteration
             it = None
             if not persistent:
                 close = getattr(loader, "close", None)  # gpushare's; torch's stopped at StopIteration
@@ -396,17 +474,12 @@ def run_cell(system: str, workers: int, nbytes: int, mode: str, epochs: int) -> 
                     close()
                 loader = None
                 gc.collect()
+    except BaseException as exc:
+        failure = exc
+        raise
     finally:
         values = None
-        if it is not None:
-            close_iterator(it)
-        if loader is not None:
-            close = getattr(loader, "close", None)
-            if close is not None:
-                close()
-            else:
-                with contextlib.suppress(Exception):
-                    close_iterator(loader._iterator)
+        run.notes.extend(stop_loader(it, loader, failure))
         it = loader = None
         gc.collect()
         if cuda:
@@ -441,6 +514,7 @@ def measure(bench: Bench, system: str, workers: int, nbytes: int, mode: str, epo
             "trainer_allocated_mib": round(run.trainer[0] / MiB, 1),
             "paced_first_epoch_mib": round(run.paced[0] / MiB, 1) if run.paced else None,
         }
+    note_deaths(bench.scenarios[KEY], system, row_label(workers, nbytes, mode), run.notes)
     refresh(bench, (system, row_label(workers, nbytes, mode), run.per_batch))
     return run.per_batch
 
