@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from gpushare.bench import cli
-from gpushare.bench.scenarios import MODULES, scenario_modules
+from bench import cli
+from bench.scenarios import MODULES, scenario_modules
 
 ROOT = Path(__file__).resolve().parent.parent
 CELL = ("median_us", "p90_us", "mean_us", "min_us", "n")
@@ -48,7 +48,7 @@ def test_cli_host_run_writes_the_reports(tmp_path: Path) -> None:
     cmd = [
         sys.executable,
         "-m",
-        "gpushare.bench",
+        "bench",
         "--backend",
         "host",
         "--quick",
@@ -63,7 +63,7 @@ def test_cli_host_run_writes_the_reports(tmp_path: Path) -> None:
     ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=100, check=False)
     assert done.returncode == 0, done.stderr
-    markdown = (tmp_path / "benchmarks.md").read_text(encoding="utf-8")
+    markdown = (tmp_path / "report.md").read_text(encoding="utf-8")
     headings = [line for line in markdown.splitlines() if line.startswith("## ")]
     assert headings == [
         "## How measured",
@@ -75,7 +75,7 @@ def test_cli_host_run_writes_the_reports(tmp_path: Path) -> None:
     for module in scenario_modules():
         if getattr(module, "HOW", ""):
             assert module.HOW in markdown, module.__name__
-    report = json.loads((tmp_path / "benchmarks.json").read_text(encoding="utf-8"))
+    report = json.loads((tmp_path / "report.json").read_text(encoding="utf-8"))
     assert list(report["scenarios"]) == ["floors", "host"]
     host = report["scenarios"]["host"]
     assert "gpushare (in place)" in json.dumps(host)
@@ -83,8 +83,8 @@ def test_cli_host_run_writes_the_reports(tmp_path: Path) -> None:
 
     # --render writes the same Markdown from the JSON alone, measuring nothing.
     again = tmp_path / "again"
-    assert cli.main(["--render", str(tmp_path / "benchmarks.json"), "--out", str(again)]) == 0
-    rendered = (again / "benchmarks.md").read_text(encoding="utf-8")
+    assert cli.main(["--render", str(tmp_path / "report.json"), "--out", str(again)]) == 0
+    rendered = (again / "report.md").read_text(encoding="utf-8")
     assert rendered.split("## Plot")[0] == markdown.split("## Plot")[0]
     assert cli.main(["--render", str(tmp_path / "missing.json"), "--out", str(again)]) == 2
 
@@ -94,18 +94,18 @@ def test_cli_host_run_writes_the_reports(tmp_path: Path) -> None:
     later["scenarios"] = {"extra": dict(report["scenarios"]["host"], title="An extra table", floor=None)}
     (tmp_path / "later.json").write_text(json.dumps(later), encoding="utf-8")
     joined = tmp_path / "joined"
-    args = ["--render", str(tmp_path / "benchmarks.json"), "--render", str(tmp_path / "later.json")]
+    args = ["--render", str(tmp_path / "report.json"), "--render", str(tmp_path / "later.json")]
     assert cli.main([*args, "--out", str(joined)]) == 0
-    merged = (joined / "benchmarks.md").read_text(encoding="utf-8")
+    merged = (joined / "report.md").read_text(encoding="utf-8")
     assert "## An extra table" in merged and "## Handoff floors" in merged and "This report joins 2 runs" in merged
     assert "| 2099-01-01 00:00 UTC, --quick |" in merged
-    runs = json.loads((joined / "benchmarks.json").read_text(encoding="utf-8"))["meta"]["runs"]
+    runs = json.loads((joined / "report.json").read_text(encoding="utf-8"))["meta"]["runs"]
     first, second = report["meta"]["date"], "2099-01-01 00:00 UTC"
     assert [(r["date"], r["scenarios"]) for r in runs] == [(first, ["floors", "host"]), (second, ["extra"])]
     # Joining the joined report again keeps its table of runs.
-    assert cli.main(["--render", str(joined / "benchmarks.json"), "--render", str(tmp_path / "later.json"),
+    assert cli.main(["--render", str(joined / "report.json"), "--render", str(tmp_path / "later.json"),
                      "--out", str(tmp_path / "twice")]) == 0  # fmt: skip
-    again_runs = json.loads((tmp_path / "twice" / "benchmarks.json").read_text(encoding="utf-8"))["meta"]["runs"]
+    again_runs = json.loads((tmp_path / "twice" / "report.json").read_text(encoding="utf-8"))["meta"]["runs"]
     assert again_runs == runs
     # A later run's scenario measured against its own run's floors, which an earlier scenario (`host`)
     # still uses: refused, rather than divided by another run's floor.
@@ -115,7 +115,7 @@ def test_cli_host_run_writes_the_reports(tmp_path: Path) -> None:
 
 
 def test_a_table_that_fails_to_render_costs_only_itself(monkeypatch: pytest.MonkeyPatch) -> None:
-    from gpushare.bench import report_json, report_md
+    from bench import report_json, report_md
 
     report = {
         "meta": {"date": "today", "iters": 1, "warmup": 0, "heavy_iters": 1, "quick": True},
@@ -149,15 +149,15 @@ def test_per_queue_fan_out_and_ring_round_trip_run_on_the_host(tmp_path: Path) -
     """The one-Queue-per-consumer pattern (its own floor, the host backend, 2 consumers) and
     the ring's round trip to 1 and 2 consumers (plain and spin columns)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "gpushare.bench", "--backend", "host", "--quick", "--iters", "3"]
+    cmd = [sys.executable, "-m", "bench", "--backend", "host", "--quick", "--iters", "3"]
     cmd += ["--consumers", "1,2", "--only", "handoff_per_queue,ring_roundtrip", "--out", str(tmp_path)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=200, check=False)
     assert done.returncode == 0, done.stderr
     assert ": ERROR" not in done.stderr, done.stderr
-    report = json.loads((tmp_path / "benchmarks.json").read_text(encoding="utf-8"))
+    report = json.loads((tmp_path / "report.json").read_text(encoding="utf-8"))
     scenario = json.dumps(report["scenarios"]["handoff_per_queue"])
     assert "mp.Queue per consumer" in scenario and "gpushare host" in scenario
-    markdown = (tmp_path / "benchmarks.md").read_text(encoding="utf-8")
+    markdown = (tmp_path / "report.md").read_text(encoding="utf-8")
     assert "## 1 MiB buffer to N consumers through one Queue per consumer" in markdown
     assert "| consumers | floor (mp.Queue per consumer) | gpushare host | gpushare host / floor |" in markdown
     roundtrip = report["scenarios"]["ring_roundtrip"]
@@ -170,27 +170,27 @@ def test_throughput_judges_the_ring_and_the_queue_on_their_own_targets(tmp_path:
     """Issue 9's pipelined targets differ: the ring >= 100,000 items/s, gpushare's Queue >= 30,000."""
     done = _bench(tmp_path, "--consumers", "1", "--only", "throughput")
     assert done.returncode == 0 and ": ERROR" not in done.stderr, done.stderr
-    throughput = json.loads((tmp_path / "benchmarks.json").read_text(encoding="utf-8"))["scenarios"]["throughput"]
+    throughput = json.loads((tmp_path / "report.json").read_text(encoding="utf-8"))["scenarios"]["throughput"]
     goal = throughput["targets"]["1 MiB"]
     assert goal["limit"] == 30_000 and goal["system_limits"] == {"gpushare host ring": 100_000}
     rates = throughput["table"]["1 MiB"]
     for name, limit in (("gpushare host ring", 100_000), ("gpushare host Queue", 30_000)):
         assert goal["met"][name] == (rates[name]["items_per_s"] >= limit), (name, rates[name])
-    rows = {line.split(" | ")[0].lstrip("| "): line for line in (tmp_path / "benchmarks.md").read_text().splitlines()}
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in (tmp_path / "report.md").read_text().splitlines()}
     assert ">= 100,000/s: " in rows["gpushare host ring"] and ">= 30,000/s: " in rows["gpushare host Queue"]
 
 
 def _bench(tmp_path: Path, *args: str, timeout: float = 200) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "gpushare.bench", "--backend", "host", "--quick", "--out", str(tmp_path), *args]
+    cmd = [sys.executable, "-m", "bench", "--backend", "host", "--quick", "--out", str(tmp_path), *args]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
 
 
 def test_the_copy_kernels_status_is_asked_of_a_child_process() -> None:
     """The report names whether gpushare's copy kernel runs on device 0, asked of a child so the
     benchmark's own process makes no CUDA context; without a GPU it says why it is off."""
+    from bench.runner import _copy_kernel_status
     from gpushare import _cuda
-    from gpushare.bench.runner import _copy_kernel_status
 
     status = _copy_kernel_status()
     if _cuda.available():
@@ -203,7 +203,7 @@ def test_a_run_killed_half_way_leaves_the_cells_it_measured(tmp_path: Path) -> N
     """The reports are written after every cell of the first round, marked as cut short, so a
     run stopped by a time limit keeps what it measured."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "gpushare.bench", "--backend", "host", "--quick", "--iters", "3"]
+    cmd = [sys.executable, "-m", "bench", "--backend", "host", "--quick", "--iters", "3"]
     cmd += ["--consumers", "1", "--only", "host", "--out", str(tmp_path)]
     with subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True) as proc:
         try:
@@ -215,11 +215,11 @@ def test_a_run_killed_half_way_leaves_the_cells_it_measured(tmp_path: Path) -> N
         finally:
             proc.kill()
             proc.wait(timeout=30)
-    report = json.loads((tmp_path / "benchmarks.json").read_text(encoding="utf-8"))
+    report = json.loads((tmp_path / "report.json").read_text(encoding="utf-8"))
     assert report["meta"]["partial"].startswith("2 of ")
     floors = report["scenarios"]["floors"]["systems"]
     assert {"mp.Pipe", "mp.Queue"} <= set(floors)
-    assert "cut short | written after 2 of" in (tmp_path / "benchmarks.md").read_text(encoding="utf-8")
+    assert "cut short | written after 2 of" in (tmp_path / "report.md").read_text(encoding="utf-8")
 
 
 def test_rounds_pool_every_cell_and_rewrite_the_reports(tmp_path: Path) -> None:
@@ -233,13 +233,13 @@ def test_rounds_pool_every_cell_and_rewrite_the_reports(tmp_path: Path) -> None:
     rounds = [line.split(" ", 1)[0] for line in lines]
     assert rounds == ["r1"] * 4 + ["r2"] * 4 + ["r3"] * 4, lines
     assert "round 1 of 3 done; reports written" in done.stderr
-    report = json.loads((tmp_path / "benchmarks.json").read_text(encoding="utf-8"))
+    report = json.loads((tmp_path / "report.json").read_text(encoding="utf-8"))
     assert report["meta"]["rounds"] == 3 and report["meta"]["rounds_run"] == 3
     cells = report["scenarios"]["ring_roundtrip"]["systems"]["gpushare host spin"]["cells"]
     assert cells["1"]["n"] == 12, cells  # 4 iterations in each of 3 rounds
     floors = report["scenarios"]["floors"]["systems"]["mp.Pipe"]["cells"]
     assert floors["1"]["n"] == 12, floors
-    assert "| rounds | 3 of 3 run:" in (tmp_path / "benchmarks.md").read_text(encoding="utf-8")
+    assert "| rounds | 3 of 3 run:" in (tmp_path / "report.md").read_text(encoding="utf-8")
 
 
 def test_max_seconds_starts_no_round_that_would_overrun(tmp_path: Path) -> None:
@@ -248,10 +248,10 @@ def test_max_seconds_starts_no_round_that_would_overrun(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "round 2 of 4 not started" in done.stderr, done.stderr
-    report = json.loads((tmp_path / "benchmarks.json").read_text(encoding="utf-8"))
+    report = json.loads((tmp_path / "report.json").read_text(encoding="utf-8"))
     assert report["meta"]["rounds_run"] == 1
     assert report["scenarios"]["floors"]["systems"]["mp.Queue"]["cells"]["1"]["n"] == 3
-    assert "| rounds | 1 of 4 run:" in (tmp_path / "benchmarks.md").read_text(encoding="utf-8")
+    assert "| rounds | 1 of 4 run:" in (tmp_path / "report.md").read_text(encoding="utf-8")
 
 
 @pytest.mark.parametrize("args", [["--rounds", "0"], ["--max-seconds", "0"]])
@@ -261,12 +261,28 @@ def test_rounds_and_max_seconds_reject_nonsense(args: list[str], capsys: pytest.
     assert "must be" in capsys.readouterr().err
 
 
+def test_reports_go_to_dev_and_the_plot_to_the_docs_by_default(tmp_path: Path) -> None:
+    """Without --out: the reports in dev/benchmarks and the plot in docs/assets, both of the
+    checkout wherever the bench is started; with --out, the plot goes next to the reports
+    (a run folder never replaces the docs' plot) unless --plot names it."""
+    cfg = cli._parse(["--backend", "host"])
+    assert Path(cfg.out) == ROOT / "dev" / "benchmarks"
+    assert cfg.plot is not None and Path(cfg.plot) == ROOT / "docs" / "assets" / "benchmarks.png"
+    assert cli._link(cfg.out, cfg.plot) == "../../docs/assets/benchmarks.png"
+    run = tmp_path / "runs" / "a-run"
+    cfg = cli._parse(["--backend", "host", "--out", str(run)])
+    assert cfg.plot is not None and Path(cfg.plot) == run / "benchmarks.png"
+    assert cli._link(cfg.out, cfg.plot) == "benchmarks.png"
+    cfg = cli._parse(["--backend", "host", "--out", str(run), "--plot", str(tmp_path / "p.png")])
+    assert cfg.plot == str(tmp_path / "p.png")
+
+
 def test_first_share_lists_each_mechanisms_own_reference(tmp_path: Path) -> None:
     """Without a GPU the references are listed as skipped with the reason, and their
     ratio columns are in the table; on a GPU they run (the device suite's bench run)."""
     done = _bench(tmp_path, "--iters", "2", "--only", "first_share")
     assert done.returncode == 0, done.stderr
-    markdown = (tmp_path / "benchmarks.md").read_text(encoding="utf-8")
+    markdown = (tmp_path / "report.md").read_text(encoding="utf-8")
     assert "gpushare cuda_vmm / raw driver, VMM fd" in markdown
     assert "gpushare cuda_pool / raw driver, IPC pool" in markdown
     for raw in ("raw driver, VMM fd", "raw driver, IPC pool"):
@@ -370,8 +386,8 @@ def test_raw_references_open_close_and_free_everything(mechanism: str) -> None:
     allocation and mapping is given back."""
     import multiprocessing
 
-    from gpushare.bench import consumers
-    from gpushare.bench.scenarios import first_share
+    from bench import consumers
+    from bench.scenarios import first_share
 
     ctx = multiprocessing.get_context("spawn")
     ctx.Queue().close()  # the first Queue of a process starts the resource tracker (one fd for good)
@@ -405,7 +421,7 @@ def test_raw_references_open_close_and_free_everything(mechanism: str) -> None:
 def _startup_bench(tmp_path: Path) -> Any:
     """A Bench planned with the startup scenario alone, on the host backend (the floors are
     not planned: the startup rows are their own floors)."""
-    from gpushare.bench.runner import Bench
+    from bench.runner import Bench
 
     cfg = dataclasses.replace(
         cli._parse(["--backend", "host", "--quick", "--out", str(tmp_path)]), only=frozenset({"startup"})
@@ -426,7 +442,7 @@ def test_startup_times_fresh_interpreters_and_reports_rows_and_targets(
     """The whole scenario on the host with tiny counts: every CPU row has gpushare and its
     stdlib floor from real interpreters, the GPU rows are skipped with the reason, the
     targets are judged in both reports, and no script is left behind."""
-    from gpushare.bench.scenarios import startup
+    from bench.scenarios import startup
 
     scratch = tmp_path / "scratch"
     scratch.mkdir()
@@ -438,7 +454,7 @@ def test_startup_times_fresh_interpreters_and_reports_rows_and_targets(
     cli.write_reports(bench, str(tmp_path))
     assert _leftover_scripts(scratch) == []
 
-    report = json.loads((tmp_path / "benchmarks.json").read_text(encoding="utf-8"))
+    report = json.loads((tmp_path / "report.json").read_text(encoding="utf-8"))
     assert list(report["scenarios"]) == ["startup"]
     scenario = report["scenarios"]["startup"]
     assert scenario["rows"] == list(startup.ROWS)
@@ -472,7 +488,7 @@ def test_startup_times_fresh_interpreters_and_reports_rows_and_targets(
         ratio = cells[startup.GPUSHARE][row]["median_us"] / cells[startup.FLOOR][row]["median_us"]
         assert target["met"] == {startup.GPUSHARE: ratio <= target["limit"]}, (row, ratio, target)
 
-    markdown = (tmp_path / "benchmarks.md").read_text(encoding="utf-8")
+    markdown = (tmp_path / "report.md").read_text(encoding="utf-8")
     assert startup.HOW in markdown
     lines = {line.split(" | ")[0].lstrip("| "): line for line in markdown.splitlines() if line.startswith("| ")}
     assert lines["timed"].startswith(
@@ -493,7 +509,7 @@ def test_startup_times_fresh_interpreters_and_reports_rows_and_targets(
 def test_startup_row_whose_scripts_fail_records_the_error_and_the_run_goes_on(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from gpushare.bench.scenarios import startup
+    from bench.scenarios import startup
 
     scratch = tmp_path / "scratch"
     scratch.mkdir()
@@ -517,8 +533,8 @@ def test_startup_row_whose_scripts_fail_records_the_error_and_the_run_goes_on(
 def test_startup_script_that_overruns_is_killed_with_its_children(tmp_path: Path) -> None:
     """A script past its timeout is killed with the process it started; a failing script's
     error names its cause; output that is not samples is refused."""
-    from gpushare.bench.scenarios import startup
-    from gpushare.bench.settings import BenchError
+    from bench.scenarios import startup
+    from bench.settings import BenchError
 
     env = startup.checkout_env()
     pidfile = tmp_path / "child.pid"
@@ -571,7 +587,7 @@ def test_startup_scripts_are_what_the_report_says() -> None:
     """The scripts compile; gpushare's import it as mp, the floor's take the stdlib's spawn
     context; targets live in the script (a spawned child re-imports it); the CUDA reference
     uses cuda.bindings directly and gpushare's scripts never do."""
-    from gpushare.bench.scenarios import startup
+    from bench.scenarios import startup
 
     for system in (startup.GPUSHARE, startup.FLOOR):
         for source in (
@@ -600,7 +616,7 @@ def test_startup_scripts_are_what_the_report_says() -> None:
 @pytest.mark.gpu
 def test_startup_gpu_rows_run_on_a_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The two GPU rows with tiny counts: every system gives positive samples."""
-    from gpushare.bench.scenarios import startup
+    from bench.scenarios import startup
 
     scratch = tmp_path / "scratch"
     scratch.mkdir()
@@ -619,7 +635,7 @@ def test_startup_gpu_rows_run_on_a_gpu(tmp_path: Path, monkeypatch: pytest.Monke
 
 
 def test_weight_sync_layouts_are_the_models_and_cells_that_cannot_fit_are_skipped() -> None:
-    from gpushare.bench.scenarios import weight_sync as ws
+    from bench.scenarios import weight_sync as ws
 
     small = ws.llama_shapes(**ws.MODELS["weight_sync"][1])
     large = ws.llama_shapes(**ws.MODELS["weight_sync_8b"][1])
@@ -642,10 +658,10 @@ def test_weight_sync_layouts_are_the_models_and_cells_that_cannot_fit_are_skippe
 
 
 def test_weight_sync_goals_are_judged_against_the_floor_and_the_best_torch_pattern() -> None:
-    from gpushare.bench.fmt import _goal_status
-    from gpushare.bench.results import Scenario, Series
-    from gpushare.bench.scenarios import weight_sync as ws
-    from gpushare.bench.stats import Cell
+    from bench.fmt import _goal_status
+    from bench.results import Scenario, Series
+    from bench.scenarios import weight_sync as ws
+    from bench.stats import Cell
 
     scenario = Scenario("weight_sync", "t", "engines", ["1"], floor=("weight_sync", ws.LOCAL), goals=ws.goals(["1"]))
     for system, us in ((ws.LOCAL, 4200), (ws.TORCH_TENSOR, 29400), (ws.TORCH_FLAT, 8300), (ws.TORCH_KEPT, 7000)):
@@ -665,8 +681,8 @@ def test_weight_sync_goals_are_judged_against_the_floor_and_the_best_torch_patte
     assert status[f"{ws.GS_ZERO} <= the {ws.LOCAL} floor"] == (None, "-")  # not measured
 
     # Both reports carry them, with the memory table and a cell skipped for memory.
-    from gpushare.bench.report_json import _scenario_json
-    from gpushare.bench.report_md import _render_scenario
+    from bench.report_json import _scenario_json
+    from bench.report_md import _render_scenario
 
     scenario.details["memory"] = {"1": {ws.GS_COPY: {"used_mib": 9000, "growth_mib": 0}}}
     scenario.systems[ws.GS_ZERO] = Series(skips={"1": "needs about 90 GiB"})
@@ -686,8 +702,8 @@ def test_weight_sync_cells_run_on_the_host_with_a_small_layout() -> None:
     the gpushare systems sync, ack and end with the trainer's weights; torch's IPC needs CUDA."""
     pytest.importorskip("torch")
     import gpushare as mp
-    from gpushare.bench.scenarios import weight_sync as ws
-    from gpushare.bench.settings import BenchError
+    from bench.scenarios import weight_sync as ws
+    from bench.settings import BenchError
 
     shapes = ws.llama_shapes(layers=2, hidden=64, intermediate=96, heads=4, kv_heads=2, vocab=128)
     with mp.Manager() as manager:
@@ -703,8 +719,8 @@ def test_weight_sync_cells_that_leak_by_design_run_in_a_trainer_of_their_own() -
     """torch's IPC cells run in a spawned trainer process (what torch keeps goes with it): its samples come
     back, and its failure comes back as a BenchError with the trainer's traceback."""
     pytest.importorskip("torch")
-    from gpushare.bench.scenarios import weight_sync as ws
-    from gpushare.bench.settings import BenchError
+    from bench.scenarios import weight_sync as ws
+    from bench.settings import BenchError
 
     assert set(ws.OWN_TRAINER) == {ws.TORCH_TENSOR, ws.TORCH_FLAT}
     shapes = ws.llama_shapes(layers=1, hidden=32, intermediate=48, heads=4, kv_heads=2, vocab=64)
@@ -717,10 +733,10 @@ def test_weight_sync_cells_that_leak_by_design_run_in_a_trainer_of_their_own() -
 def test_weight_sync_is_skipped_cleanly_without_a_gpu(tmp_path: Path) -> None:
     done = _bench(tmp_path, "--iters", "2", "--consumers", "1", "--only", "weight_sync,weight_sync_8b")
     assert done.returncode == 0 and ": ERROR" not in done.stderr, done.stderr
-    markdown = (tmp_path / "benchmarks.md").read_text(encoding="utf-8")
+    markdown = (tmp_path / "report.md").read_text(encoding="utf-8")
     assert "`weight_sync`: skipped: run with the host backend" in markdown
     assert "`weight_sync_8b`: skipped: run with the host backend" in markdown
-    report = json.loads((tmp_path / "benchmarks.json").read_text(encoding="utf-8"))
+    report = json.loads((tmp_path / "report.json").read_text(encoding="utf-8"))
     assert report["scenarios"]["weight_sync"]["skipped"].startswith("run with the host backend")
 
 
@@ -729,7 +745,7 @@ def test_weight_sync_is_skipped_cleanly_without_a_gpu(tmp_path: Path) -> None:
 
 def _loader_bench(tmp_path: Path, *keys: str) -> Any:
     """A Bench planned with the named scenarios alone, on the host backend."""
-    from gpushare.bench.runner import Bench
+    from bench.runner import Bench
 
     cfg = dataclasses.replace(
         cli._parse(["--backend", "host", "--quick", "--out", str(tmp_path)]), only=frozenset(keys)
@@ -746,7 +762,7 @@ def test_dataloader_gpu_samples_runs_its_grid_on_the_cpu(tmp_path: Path, monkeyp
     a new loader per epoch and a persistent one, real spawned workers; the time-per-batch and first-batch
     tables, their targets and the batches/s table in both reports."""
     pytest.importorskip("torch")
-    from gpushare.bench.scenarios import dataloader_gpu as dg
+    from bench.scenarios import dataloader_gpu as dg
 
     monkeypatch.setattr(dg, "DEVICE", "cpu")
     monkeypatch.setattr(dg, "WORKERS", (1,))
@@ -768,7 +784,7 @@ def test_dataloader_gpu_samples_runs_its_grid_on_the_cpu(tmp_path: Path, monkeyp
     bench.run()
     cli.write_reports(bench, str(tmp_path))
 
-    report = json.loads((tmp_path / "benchmarks.json").read_text(encoding="utf-8"))
+    report = json.loads((tmp_path / "report.json").read_text(encoding="utf-8"))
     assert list(report["scenarios"]) == [dg.KEY, dg.FIRST_KEY]
     main, first = report["scenarios"][dg.KEY], report["scenarios"][dg.FIRST_KEY]
     assert main["rows"] == [per_epoch, persistent] and main["floor"] == [dg.KEY, dg.TORCH_LOADER]
@@ -795,7 +811,7 @@ def test_dataloader_gpu_samples_runs_its_grid_on_the_cpu(tmp_path: Path, monkeyp
     assert "checks" not in main  # no device memory on the CPU
     (rates,) = main["tables"]
     assert [r[0] for r in rates["rows"]] == [per_epoch, persistent] and all(r[1] != "-" for r in rates["rows"])
-    markdown = (tmp_path / "benchmarks.md").read_text(encoding="utf-8")
+    markdown = (tmp_path / "report.md").read_text(encoding="utf-8")
     assert dg.HOW in markdown and f"`{dg.KEY}` batches per second" in markdown
     assert f"| {persistent}: later epochs |" in markdown
     # gpushare's first batch, step by step, from its loader's stats (worker 0 starting to the trainer)
@@ -808,8 +824,8 @@ def test_dataloader_gpu_samples_runs_its_grid_on_the_cpu(tmp_path: Path, monkeyp
 def test_dataloader_gpu_samples_judges_device_memory_and_its_flatness(tmp_path: Path) -> None:
     """The memory targets from the figures a GPU run records: gpushare's <= torch's, and flat over the
     new-loader epochs; a cell with one system only cannot be judged."""
-    from gpushare.bench.report_md import _render_scenario
-    from gpushare.bench.scenarios import dataloader_gpu as dg
+    from bench.report_md import _render_scenario
+    from bench.scenarios import dataloader_gpu as dg
 
     bench = _loader_bench(tmp_path, dg.KEY)
     bench.scenarios[dg.KEY].skipped = None  # planned on the host: figures as a GPU run records them
@@ -859,8 +875,8 @@ def test_stop_loader_notes_torch_workers_killed_by_a_signal_and_keeps_the_cells_
     of a cell that went well, and a note on the failure of one that did not."""
     from types import SimpleNamespace
 
-    from gpushare.bench.scenarios.dataloader_gpu import stop_loader
-    from gpushare.bench.settings import BenchError
+    from bench.scenarios.dataloader_gpu import stop_loader
+    from bench.settings import BenchError
 
     stopped: list[str] = []
     aborted = "DataLoader worker (pid 7) is killed by signal: Aborted. "
@@ -915,8 +931,8 @@ def test_stop_loader_notes_torch_workers_killed_by_a_signal_and_keeps_the_cells_
 def test_a_cells_error_keeps_the_notes_added_to_it(tmp_path: Path) -> None:
     """What a failing cell records is its exception and the notes added on its way out (a loader's
     stop after a wrong batch adds what it raised there)."""
-    from gpushare.bench.results import Scenario
-    from gpushare.bench.settings import BenchError
+    from bench.results import Scenario
+    from bench.settings import BenchError
 
     bench = _loader_bench(tmp_path, "floors")
     bench.tasks.clear()
@@ -943,7 +959,7 @@ def test_dataloader_cpu_samples_runs_on_the_cpu_and_a_wrong_batch_fails_the_cell
     uint8 and float32 samples, their tables and targets; then a trainer that expects other values than
     the workers make (its MODULUS changed: workers import the module afresh) fails the cell."""
     pytest.importorskip("torch")
-    from gpushare.bench.scenarios import dataloader_cpu as dc
+    from bench.scenarios import dataloader_cpu as dc
 
     monkeypatch.setattr(dc, "DEVICE", "cpu")
     monkeypatch.setattr(dc, "SHAPE", (3, 8, 8))
@@ -959,7 +975,7 @@ def test_dataloader_cpu_samples_runs_on_the_cpu_and_a_wrong_batch_fails_the_cell
     assert [(t.system, t.row) for t in bench.tasks] == [(system, row) for row in rows for system in dc.SYSTEMS]
     bench.run()
     cli.write_reports(bench, str(out))
-    report = json.loads((out / "benchmarks.json").read_text(encoding="utf-8"))
+    report = json.loads((out / "report.json").read_text(encoding="utf-8"))
     assert list(report["scenarios"]) == [dc.KEY, dc.FIRST_KEY]
     main, first = report["scenarios"][dc.KEY], report["scenarios"][dc.FIRST_KEY]
     for name in dc.SYSTEMS:
@@ -980,7 +996,7 @@ def test_dataloader_cpu_samples_runs_on_the_cpu_and_a_wrong_batch_fails_the_cell
     assert [table["caption"].split(" ", 1)[1] for table in main["tables"]] == [
         "batches per second (1e6 / median us per batch)"
     ]
-    assert dc.HOW in (out / "benchmarks.md").read_text(encoding="utf-8")
+    assert dc.HOW in (out / "report.md").read_text(encoding="utf-8")
     steps = [n for n in first["notes"] if n.startswith(f"{dc.GS_LOADER}, ")]
     assert len(steps) == 2 and all("started" in n and "collated" in n and "returned" in n for n in steps), steps
 
@@ -1005,17 +1021,17 @@ def test_dataloader_sample_scenarios_are_skipped_cleanly_without_cuda(
     and their first-batch tables are skipped with the reason, and nothing runs."""
     done = _bench(tmp_path, "--only", "dataloader_gpu_samples,dataloader_cpu_samples", timeout=100)
     assert done.returncode == 0 and ": ERROR" not in done.stderr, done.stderr
-    report = json.loads((tmp_path / "benchmarks.json").read_text(encoding="utf-8"))
+    report = json.loads((tmp_path / "report.json").read_text(encoding="utf-8"))
     keys = ["dataloader_gpu_samples", "dataloader_gpu_samples_first", "dataloader_cpu_samples"]
     keys.append("dataloader_cpu_samples_first")
     assert [key for key in report["scenarios"] if key != "floors"] == keys
-    markdown = (tmp_path / "benchmarks.md").read_text(encoding="utf-8")
+    markdown = (tmp_path / "report.md").read_text(encoding="utf-8")
     for key in keys:
         assert report["scenarios"][key]["skipped"].startswith("run with the host backend"), key
         assert f"`{key}`: skipped: run with the host backend" in markdown
 
     torch = pytest.importorskip("torch")
-    from gpushare.bench.runner import Bench
+    from bench.runner import Bench
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     cfg = dataclasses.replace(

@@ -125,7 +125,7 @@ def _make_loader(system: str, dataset: GpuSamples) -> Any:
             multiprocessing_context="spawn",
             timeout=120,
         )
-    from ... import torch as gs_torch
+    from gpushare import torch as gs_torch
 
     device = 0 if DEVICE == "cuda" else DEVICE
     return gs_torch.DataLoader(dataset, batch_size=BATCH, num_workers=WORKERS, slots=SLOTS, device=device, timeout=120)

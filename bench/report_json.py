@@ -1,7 +1,7 @@
-"""The JSON report (``benchmarks.json``): every median, p90, mean and minimum, skips, errors, targets.
+"""The JSON report (``report.json``): every median, p90, mean and minimum, skips, errors, targets.
 
 It holds what the Markdown report is rendered from, so :func:`scenarios_from_json` can
-rebuild the scenarios and ``python -m gpushare.bench --render benchmarks.json`` can write
+rebuild the scenarios and ``python -m bench --render report.json`` can write
 the Markdown again (after a fix to a table, say) without measuring anything.
 """
 
@@ -134,7 +134,7 @@ def _target_json(scenarios: dict[str, Scenario], s: Scenario, row: str, target: 
 
 
 def scenarios_from_json(report: dict[str, Any]) -> dict[str, Scenario]:
-    """The scenarios a ``benchmarks.json`` was written from, to render them again.
+    """The scenarios a ``report.json`` was written from, to render them again.
 
     Derived fields (ratios, verdicts, rates) are recomputed by the renderers; a report
     written before a field was stored gets that field's default."""

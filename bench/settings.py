@@ -7,12 +7,23 @@ scenario modules, the consumers and the report writers agree on them.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
 from .stats import Target
+
+#: Where the reports go, relative to the checkout (the bench is a tool of the repository,
+#: not part of the library's wheel): the full report and its data for the developers, the
+#: plot where the user docs show it. Run folders go under ``REPORT_DIR/runs/`` (``--out``).
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPORT_DIR = os.path.join("dev", "benchmarks")
+PLOT_PATH = os.path.join("docs", "assets", "benchmarks.png")
+REPORT_MD = "report.md"
+REPORT_JSON = "report.json"
+PLOT_NAME = "benchmarks.png"  # the plot's name next to the reports, when --out is given
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -121,7 +132,8 @@ class Config:
     kernel_warmup: int = KERNEL_WARMUP
     rounds: int = 1  # every task runs once per round; a cell pools its rounds' samples
     max_seconds: float | None = None  # no round is started that would end past this
-    render: list[str] | None = None  # benchmarks.json files to render again into ``out``; nothing is measured
+    render: list[str] | None = None  # report.json files to render again into ``out``; nothing is measured
+    plot: str | None = None  # the plot's path; None: PLOT_NAME in ``out``
 
 
 def _cuda_core() -> Any:

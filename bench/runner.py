@@ -42,7 +42,7 @@ class Bench:
 
     # -- environment -----------------------------------------------------------------
     def probe(self) -> None:
-        from .. import __version__, _cuda
+        from gpushare import __version__, _cuda
 
         cfg = self.cfg
         gpu_ok = False
@@ -172,7 +172,7 @@ class Bench:
                     elapsed = time.monotonic() - started
                     if elapsed / (r - 1) * r > cfg.max_seconds:
                         _progress(
-                            f"gpushare.bench: round {r} of {cfg.rounds} not started: at {elapsed / (r - 1):.0f} s "
+                            f"bench: round {r} of {cfg.rounds} not started: at {elapsed / (r - 1):.0f} s "
                             f"per round it would end past --max-seconds {cfg.max_seconds:g}"
                         )
                         break

@@ -358,7 +358,7 @@ def _make_loader(system: str, dataset: GpuSamples, workers: int, persistent: boo
             persistent_workers=persistent,
             timeout=TIMEOUT,
         )
-    from ... import torch as gs_torch
+    from gpushare import torch as gs_torch
 
     return gs_torch.DataLoader(
         dataset,

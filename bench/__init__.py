@@ -1,14 +1,22 @@
 """Benchmarks: gpushare's buffer handoff against its floors and its peers.
 
-``python -m gpushare.bench`` (``--quick`` for a short run, ``--help`` for
-the options) measures everything below in one run and writes three files
-to ``--out`` (default ``docs``): ``benchmarks.md`` (machine, versions and
-one table per scenario: medians, p90 and ratios to the floor),
-``benchmarks.json`` (every median, p90, mean and minimum, plus skip
-reasons, errors and whether each target is met) and ``benchmarks.png``
+A tool of the repository, not part of the library: it is not in the wheel,
+and it imports gpushare as any user would, plus the private modules it
+measures or reports on (``_cuda``, ``_backends``, ``_torch_weights``). ``python -m bench``, from
+the checkout's root (``make bench``; ``--quick`` for a short run, ``--help``
+for the options), measures everything below in one run and writes three
+files: into ``--out`` (default ``dev/benchmarks``), ``report.md`` (machine,
+versions and one table per scenario: medians, p90 and ratios to the floor)
+and ``report.json`` (every median, p90, mean and minimum, plus skip reasons,
+errors and whether each target is met); and the plot ``benchmarks.png``
 (latency against the number of consumers, one panel per fan-out scenario,
 one line per system, the ring's panel with the Pipe floor and its targets;
-skipped with a note when matplotlib does not import).
+skipped with a note when matplotlib does not import) to ``--plot``: by
+default ``docs/assets/benchmarks.png``, which the user docs show, or next
+to the reports when ``--out`` is given. A run kept on its own (one scenario
+on one machine, say) goes in a folder of ``dev/benchmarks/runs/`` (``--out
+dev/benchmarks/runs/<date>-<device>-<what>``); ``--render`` joins such runs'
+JSON into one report.
 
 gpushare is measured once per CUDA backend (``--backends``, default every
 CUDA backend: ``cuda_ipc``, ``cuda_vmm``, ``cuda_pool``), each its own
@@ -202,7 +210,7 @@ rewritten after every round, and ``--max-seconds`` starts no round that
 would end past it at the pace of the rounds so far, so a run cut short
 keeps the rounds it finished.
 
-Layout (``gpushare/bench/``): ``cli`` (the command line and ``main``), ``runner``
+Layout (``bench/``): ``cli`` (the command line and ``main``), ``runner``
 (``Bench``: probe, plan, run), ``scenarios/`` (the registry and one module per scenario
 family), ``patterns`` (the handoff patterns scenarios are made of), ``peers`` (the
 floors, torch.multiprocessing, cuda.core), ``consumers`` (the functions the spawned
@@ -215,7 +223,7 @@ one row, against the floor, the fastest of other systems, or in microseconds; se
 mark single cells skipped (``bench.task(..., skip, cell=True)``: the rest of the column runs) and
 put figures per cell in ``details["memory"]``, which the markdown shows as a table.
 
-Adding a scenario: write ``gpushare/bench/scenarios/<name>.py`` with
+Adding a scenario: write ``bench/scenarios/<name>.py`` with
 
 - ``KEYS = ("<key>",)``: the scenario key(s) it adds (``--only`` accepts them);
 - ``plan(bench)``: ``if bench.add(Scenario(key, title, row_label, rows, ...)):`` then one
@@ -229,7 +237,7 @@ Adding a scenario: write ``gpushare/bench/scenarios/<name>.py`` with
   imports them by module name);
 - optionally ``HOW``: a paragraph for the report's "How measured";
 
-then add its name to ``MODULES`` in ``gpushare/bench/scenarios/__init__.py``: that line
+then add its name to ``MODULES`` in ``bench/scenarios/__init__.py``: that line
 decides where it runs and where its table appears. A ``Scenario`` of kind ``latency``
 (the default) needs nothing else: the markdown, JSON and plot writers lay it out.
 """

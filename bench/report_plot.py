@@ -1,6 +1,7 @@
 """The plot (``benchmarks.png``): latency against consumers, one panel per fan-out scenario.
 
-Optional: without matplotlib the report says so instead of the picture.
+By default it goes to ``docs/assets/``, where the user docs show it; the report links it by
+its path relative to the report. Optional: without matplotlib the report says so instead of the picture.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from .fmt import _floor_cell, _target_us
 from .results import Scenario
 
 
-def render_plot(scenarios: dict[str, Scenario], meta: dict[str, Any], path: str) -> str:
-    """Latency against consumers, one panel per fan-out scenario; returns a line for the report."""
+def render_plot(scenarios: dict[str, Scenario], meta: dict[str, Any], path: str, link: str | None = None) -> str:
+    """Latency against consumers, one panel per fan-out scenario, saved at ``path``; returns a line
+    for the report, which links the picture as ``link`` (default: its file name, next to the report)."""
     try:
         import matplotlib
 
@@ -56,4 +58,4 @@ def render_plot(scenarios: dict[str, Scenario], meta: dict[str, Any], path: str)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-    return f"![median latency against the number of consumers]({os.path.basename(path)})"
+    return f"![median latency against the number of consumers]({link or os.path.basename(path)})"

@@ -195,7 +195,7 @@ def one_buffer_to_one_consumer(
 ) -> dict[str, list[int]]:
     """Fill one buffer on ``home``, hand it to one consumer bound to ``consumer_device``,
     and return the timings it measured (``measure(torch, buf, device, warmup, iters)``)."""
-    from .. import _cuda
+    from gpushare import _cuda
 
     gpushare = _gpushare()
     m = bench.manager()

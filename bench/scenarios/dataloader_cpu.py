@@ -205,7 +205,7 @@ def _make_loader(system: str, dataset: CpuImages, workers: int) -> Any:
             pin_memory=DEVICE == "cuda",
             timeout=TIMEOUT,
         )
-    from ... import torch as gs_torch
+    from gpushare import torch as gs_torch
 
     return gs_torch.DataLoader(dataset, batch_size=BATCH, num_workers=workers, device=DEVICE, timeout=TIMEOUT)
 
@@ -335,7 +335,7 @@ def run_cell(system: str, dtype: str, workers: int, counts: Counts) -> CellRun:
     again = _first_again(system, dataset, workers, take, notes)
     prepared = None
     if system == GS_LOADER:
-        from ... import prepare_loaders
+        from gpushare import prepare_loaders
 
         cold_start()  # as a script's start: no forkserver yet
         if prepare_loaders():

@@ -1,4 +1,4 @@
-"""The markdown report (``benchmarks.md``): the machine, how it was measured, one table per scenario.
+"""The markdown report (``report.md``): the machine, how it was measured, one table per scenario.
 
 Latency scenarios share one table layout (floor, systems, ratios, targets); the ``rate``,
 ``throughput`` (peer_read) and ``kernel`` kinds have their own. Below each table: skipped
@@ -32,7 +32,7 @@ def render_markdown(scenarios: dict[str, Scenario], meta: dict[str, Any], plot_n
     lines = [
         "# gpushare benchmarks",
         "",
-        f"Written by `python -m gpushare.bench` on {meta['date']}; run it again rather than editing this file.",
+        f"Written by `python -m bench` on {meta['date']}; run it again rather than editing this file.",
         "",
         "| | |",
         "|---|---|",
@@ -73,7 +73,7 @@ def render_markdown(scenarios: dict[str, Scenario], meta: dict[str, Any], plot_n
     if len(runs) > 1:
         lines += [
             "",
-            f"This report joins {len(runs)} runs (`python -m gpushare.bench --render A.json --render B.json ...`); "
+            f"This report joins {len(runs)} runs (`python -m bench --render A.json --render B.json ...`); "
             "the table above is the first run's. Each scenario comes from the run that lists it:",
             "",
             "| run | device | torch | scenarios |",
@@ -120,7 +120,7 @@ def render_markdown(scenarios: dict[str, Scenario], meta: dict[str, Any], plot_n
                 f"## {scenario.title}",
                 "",
                 f"`{scenario.key}`: this table failed to render ({type(exc).__name__}: {exc}); its figures are in "
-                "benchmarks.json, and `python -m gpushare.bench --render benchmarks.json` renders it again.",
+                "report.json, and `python -m bench --render report.json` renders it again.",
                 "",
             ]
     lines += ["## Plot", "", plot_note, ""]

@@ -1,4 +1,11 @@
-"""The command line: ``python -m gpushare.bench`` parses, plans, runs and writes the three reports."""
+"""The command line: ``python -m bench`` parses, plans, runs and writes the three reports.
+
+Where they go: ``report.md`` and ``report.json`` into ``--out`` (default ``dev/benchmarks``
+of the checkout), the plot to ``--plot`` (default ``docs/assets/benchmarks.png``, where the
+user docs show it, when ``--out`` is left out; ``benchmarks.png`` in ``--out`` otherwise, so a
+run folder or a scratch run never replaces the docs' plot). The report links the plot by
+its path relative to the report.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +23,7 @@ from .results import Scenario
 from .runner import Bench
 from .scenarios import scenario_modules
 from .settings import (
+    CHECKOUT,
     CONSUMERS,
     CUDA_BACKENDS,
     FLOOR_SCENARIO,
@@ -29,6 +37,11 @@ from .settings import (
     PEER_ITERS_QUICK,
     PEER_WARMUP,
     PEER_WARMUP_QUICK,
+    PLOT_NAME,
+    PLOT_PATH,
+    REPORT_DIR,
+    REPORT_JSON,
+    REPORT_MD,
     STREAM_COUNT,
     STREAM_COUNT_QUICK,
     STREAM_REPEATS,
@@ -47,7 +60,7 @@ def _known_cuda_backends() -> tuple[str, ...]:
     """CUDA_BACKENDS, then any other CUDA backend the library lists (never fails)."""
     names = list(CUDA_BACKENDS)
     try:
-        from .._backends import BACKENDS
+        from gpushare._backends import BACKENDS
 
         names += [name for name in BACKENDS if name != HOST_BACKEND and name not in names]
     except Exception:
@@ -85,22 +98,35 @@ def _counts(text: str) -> tuple[int, ...]:
 
 def _parse(argv: list[str] | None) -> Config:
     parser = argparse.ArgumentParser(
-        prog="python -m gpushare.bench",
+        prog="python -m bench",
         description="Measure gpushare's buffer handoff (one column per backend) against multiprocessing floors, "
         "torch.multiprocessing and cuda.core, its ring's fan-out and pipelined throughput, and the bandwidth of "
         "kernels reading mapped memory (same GPU; peer GPU with two), and its start-up (import, Process, Manager, "
-        "first buffer) against the stdlib's; write benchmarks.md, benchmarks.json and benchmarks.png.",
+        "first buffer) against the stdlib's; write report.md, report.json and the plot benchmarks.png.",
     )
-    parser.add_argument("--out", default="docs", help="directory for the reports (default: docs)")
+    parser.add_argument(
+        "--out",
+        metavar="DIR",
+        default=None,
+        help=f"directory for report.md and report.json (default: {REPORT_DIR} of the checkout; "
+        f"a run kept on its own goes in a folder of {os.path.join(REPORT_DIR, 'runs')})",
+    )
+    parser.add_argument(
+        "--plot",
+        metavar="PNG",
+        default=None,
+        help=f"path of the plot (default: {PLOT_PATH} of the checkout, which the user docs show; "
+        f"with --out: {PLOT_NAME} in that directory)",
+    )
     parser.add_argument("--quick", action="store_true", help="fewer iterations, for smoke and CI runs")
     parser.add_argument(
         "--render",
         metavar="JSON",
         action="append",
         default=None,
-        help="measure nothing: write benchmarks.md (and .png) into --out again from this benchmarks.json; "
-        "given more than once, one report of every run's scenarios (a later run's scenario replaces an "
-        "earlier run's of the same name), with a table of the runs, and its benchmarks.json",
+        help="measure nothing: write report.md (and the plot) again from this report.json (or a run "
+        "folder's benchmarks.json); given more than once, one report of every run's scenarios (a later run's "
+        "scenario replaces an earlier run's of the same name), with a table of the runs, and its report.json",
     )
     parser.add_argument(
         "--backend",
@@ -142,7 +168,7 @@ def _parse(argv: list[str] | None) -> Config:
     args = parser.parse_args(argv)
     backend = args.backend
     if backend is None:
-        from .. import _cuda
+        from gpushare import _cuda
 
         backend = "cuda" if _cuda.available() else "host"
     iters = args.iters if args.iters is not None else (100 if args.quick else 300)
@@ -160,8 +186,12 @@ def _parse(argv: list[str] | None) -> Config:
             parser.error(f"unknown scenario(s) {', '.join(unknown)}; valid: {', '.join(SCENARIO_KEYS)}")
         only |= {FLOOR_SCENARIO}
     host_consumers = tuple(n for n in args.consumers if n <= max(HOST_CONSUMERS)) or (1,)
+    out, plot = args.out, args.plot
+    if out is None:
+        out = os.path.join(CHECKOUT, REPORT_DIR)
+        plot = plot or os.path.join(CHECKOUT, PLOT_PATH)
     return Config(
-        out=args.out,
+        out=out,
         quick=args.quick,
         backend=backend,
         iters=iters,
@@ -182,19 +212,20 @@ def _parse(argv: list[str] | None) -> Config:
         rounds=args.rounds,
         max_seconds=args.max_seconds,
         render=args.render,
+        plot=plot or os.path.join(out, PLOT_NAME),
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     cfg = _parse(argv)
     if cfg.render is not None:
-        return render_again(cfg.render, cfg.out)
+        return render_again(cfg.render, cfg.out, cfg.plot)
     bench = Bench(cfg)
     bench.probe()
     bench.plan()
     rounds = f", {cfg.rounds} rounds" if cfg.rounds > 1 else ""
     _progress(
-        f"gpushare.bench: backend {cfg.backend} ({', '.join(cfg.backends)}), {len(bench.tasks)} cells{rounds}, "
+        f"bench: backend {cfg.backend} ({', '.join(cfg.backends)}), {len(bench.tasks)} cells{rounds}, "
         f"{cfg.iters} iterations each "
         f"({cfg.heavy_iters} for 64 MiB and larger); reports go to {cfg.out}/"
     )
@@ -204,30 +235,31 @@ def main(argv: list[str] | None = None) -> int:
     def write(done: int) -> None:
         nonlocal plot_note
         bench.meta["elapsed_s"] = round(time.monotonic() - started, 1)
-        plot_note = write_reports(bench, cfg.out)
+        plot_note = write_reports(bench, cfg.out, cfg.plot)
         if done < cfg.rounds:
-            _progress(f"gpushare.bench: round {done} of {cfg.rounds} done; reports written to {cfg.out}/")
+            _progress(f"bench: round {done} of {cfg.rounds} done; reports written to {cfg.out}/")
 
     def partial(done: int, total: int) -> None:  # a run cut short keeps the cells it measured
         bench.meta["partial"] = f"{done} of {total} cells of the first round"
         bench.meta["elapsed_s"] = round(time.monotonic() - started, 1)
-        write_reports(bench, cfg.out, plot=False)
+        write_reports(bench, cfg.out, cfg.plot, plot=False)
         bench.meta.pop("partial", None)
 
     bench.run(after_round=write, after_cell=partial)  # the first round always runs, so the reports are written
-    _progress(f"gpushare.bench: done in {bench.meta['elapsed_s']} s; wrote {cfg.out}/benchmarks.md, .json")
+    _progress(f"bench: done in {bench.meta['elapsed_s']} s; wrote {cfg.out}/{REPORT_MD}, {REPORT_JSON}")
     _progress(plot_note)
     return 0
 
 
-def render_again(paths: list[str], out: str) -> int:
-    """Write benchmarks.md and .png into ``out`` from the measurements in the JSON reports ``paths``.
+def render_again(paths: list[str], out: str, png: str | None = None) -> int:
+    """Write report.md into ``out`` and the plot to ``png`` (default: benchmarks.png in ``out``)
+    from the measurements in the JSON reports ``paths``.
 
     With one path, the report of that run again. With several, one report of all their
     scenarios, in the order the runs are given (a later run's scenario replaces an earlier
     one of the same key); the first run's meta heads it and ``meta["runs"]`` lists each
     run's date, device and scenarios, so every table can be traced to the run that measured
-    it. The merged benchmarks.json is written too."""
+    it. The merged report.json is written too."""
     scenarios: dict[str, Scenario] = {}
     origin: dict[str, str] = {}  # scenario key -> the JSON it came from
     runs: list[dict[str, Any]] = []
@@ -238,7 +270,7 @@ def render_again(paths: list[str], out: str) -> int:
                 report = json.load(f)
             these, run_meta = scenarios_from_json(report), report["meta"]
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            _progress(f"gpushare.bench: cannot render {path}: {type(exc).__name__}: {exc}")
+            _progress(f"bench: cannot render {path}: {type(exc).__name__}: {exc}")
             return 2
         meta = meta or dict(run_meta)
         taken = _replaceable(scenarios, these)
@@ -252,7 +284,7 @@ def render_again(paths: list[str], out: str) -> int:
         floor_key = s.floor[0] if s.floor else s.key
         if floor_key != s.key and origin.get(floor_key) != origin[s.key]:
             _progress(
-                f"gpushare.bench: cannot join: `{s.key}` of {origin[s.key]} is measured against `{floor_key}` of "
+                f"bench: cannot join: `{s.key}` of {origin[s.key]} is measured against `{floor_key}` of "
                 f"{origin.get(floor_key)}, another run; render {origin[s.key]} on its own, or join it after the run "
                 "with the floors it was measured against"
             )
@@ -260,21 +292,21 @@ def render_again(paths: list[str], out: str) -> int:
     if len(paths) > 1:
         meta["runs"] = _latest_owner(runs)
     os.makedirs(out, exist_ok=True)
-    png = os.path.join(out, "benchmarks.png")
+    png = png or os.path.join(out, PLOT_NAME)
     drawn = os.path.exists(png)
     try:
-        plot_note = render_plot(scenarios, meta, png)
+        plot_note = _draw(scenarios, meta, out, png)
     except Exception as exc:
         plot_note = f"No plot: drawing it failed ({type(exc).__name__}: {exc})."
     if plot_note.startswith("No plot: matplotlib") and drawn:  # the run's own plot, kept
-        plot_note = "![median latency against the number of consumers](benchmarks.png)"
+        plot_note = f"![median latency against the number of consumers]({_link(out, png)})"
     if len(paths) > 1:
-        with open(os.path.join(out, "benchmarks.json"), "w", encoding="utf-8") as f:
+        with open(os.path.join(out, REPORT_JSON), "w", encoding="utf-8") as f:
             json.dump(render_json(scenarios, meta), f, indent=1)
             f.write("\n")
-    with open(os.path.join(out, "benchmarks.md"), "w", encoding="utf-8") as f:
+    with open(os.path.join(out, REPORT_MD), "w", encoding="utf-8") as f:
         f.write(render_markdown(scenarios, meta, plot_note))
-    _progress(f"gpushare.bench: rendered {', '.join(paths)} into {out}/benchmarks.md")
+    _progress(f"bench: rendered {', '.join(paths)} into {out}/{REPORT_MD}")
     return 0
 
 
@@ -310,8 +342,20 @@ def _latest_owner(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out[::-1]
 
 
-def write_reports(bench: Bench, out: str, *, plot: bool = True) -> str:
-    """Write benchmarks.png, .json and .md from what ``bench`` has so far; return the plot's note.
+def _link(out: str, png: str) -> str:
+    """The plot's path as the report in ``out`` links it."""
+    return os.path.relpath(os.path.abspath(png), os.path.abspath(out)).replace(os.sep, "/")
+
+
+def _draw(scenarios: dict[str, Scenario], meta: dict[str, Any], out: str, png: str) -> str:
+    """Draw the plot at ``png`` (making its folder); return the report's line for it."""
+    os.makedirs(os.path.dirname(os.path.abspath(png)), exist_ok=True)
+    return render_plot(scenarios, meta, png, _link(out, png))
+
+
+def write_reports(bench: Bench, out: str, png: str | None = None, *, plot: bool = True) -> str:
+    """Write report.json and report.md into ``out`` and the plot to ``png`` (default:
+    benchmarks.png in ``out``) from what ``bench`` has so far; return the plot's note.
     ``plot=False`` (after each cell) leaves the plot for the end of the round.
 
     A report that fails to render must not lose the measurements: the JSON falls back to
@@ -320,7 +364,7 @@ def write_reports(bench: Bench, out: str, *, plot: bool = True) -> str:
     plot_note = "No plot yet: the run has not finished its first round."
     if plot:
         try:
-            plot_note = render_plot(bench.scenarios, bench.meta, os.path.join(out, "benchmarks.png"))
+            plot_note = _draw(bench.scenarios, bench.meta, out, png or os.path.join(out, PLOT_NAME))
         except Exception as exc:  # a plot must never cost the measurements
             plot_note = f"No plot: drawing it failed ({type(exc).__name__}: {exc})."
     try:
@@ -331,7 +375,7 @@ def write_reports(bench: Bench, out: str, *, plot: bool = True) -> str:
             "render_error": f"{type(exc).__name__}: {exc}",
             "scenarios": {key: asdict(s) for key, s in bench.scenarios.items()},
         }
-    with open(os.path.join(out, "benchmarks.json"), "w", encoding="utf-8") as f:
+    with open(os.path.join(out, REPORT_JSON), "w", encoding="utf-8") as f:
         json.dump(report, f, indent=2, default=str)
         f.write("\n")
     try:
@@ -339,8 +383,8 @@ def write_reports(bench: Bench, out: str, *, plot: bool = True) -> str:
     except Exception as exc:
         markdown = (
             f"# gpushare benchmarks\n\nThe report failed to render ({type(exc).__name__}: {exc}); "
-            "every measurement is in benchmarks.json.\n"
+            f"every measurement is in {REPORT_JSON}.\n"
         )
-    with open(os.path.join(out, "benchmarks.md"), "w", encoding="utf-8") as f:
+    with open(os.path.join(out, REPORT_MD), "w", encoding="utf-8") as f:
         f.write(markdown)
     return plot_note

@@ -266,7 +266,7 @@ def plan(bench: Bench) -> None:
         if skip is not None:
             scenario.skipped = skip
             continue
-        from ... import _cuda
+        from gpushare import _cuda
 
         device = bench.device or 0
         free = _cuda.mem_info(device)[0]
@@ -327,7 +327,7 @@ def _trainer_main(
     shapes: dict[str, tuple[int, ...]], system: str, engines: int, device: int | str, iters: int, warmup: int, conn: Any
 ) -> None:
     try:
-        from ... import Manager
+        from gpushare import Manager
 
         with Manager() as manager:
             result = run_cell(manager, shapes, system, engines, device, iters, warmup)
@@ -344,7 +344,7 @@ def _trainer_main(
 def _free(device: Any) -> int | None:
     if not isinstance(device, int):
         return None
-    from ... import _cuda
+    from gpushare import _cuda
 
     return int(_cuda.mem_info(device)[0])
 
@@ -402,8 +402,8 @@ def run_cell(
     import torch
     from torch.multiprocessing.reductions import reduce_tensor
 
-    from ... import get_context
-    from ...torch import publish_state_dict, state_dict_layout
+    from gpushare import get_context
+    from gpushare.torch import publish_state_dict, state_dict_layout
 
     cuda = isinstance(device, int)
     dev = torch.device(f"cuda:{device}") if cuda else torch.device("cpu")
@@ -423,7 +423,7 @@ def run_cell(
     weights: Any = None  # GS_IN_SET: the trainer's module, trained in the set's one version
     update: Any = None  # ... and the update() a step runs in (entered by between(), left by step())
     if system == GS_IN_SET:
-        from ...torch import train_in_set
+        from gpushare.torch import train_in_set
 
         ts = manager.tensor_set(state_dict_layout(state), versions=1, device=device)
         weights = train_in_set(_module_over(torch, state), ts, timeout=TIMEOUT)  # version 1
@@ -509,7 +509,7 @@ def run_cell(
 
         last_slot = -1
         if system == GS_INPLACE:
-            from ...torch import draft_tensors
+            from gpushare.torch import draft_tensors
 
             assert ts is not None
             smallest = min(names_shapes, key=lambda item: math.prod(item[1]))[0]
@@ -535,7 +535,7 @@ def run_cell(
 
         # What every engine ends with must be the trainer's last weights.
         if system == GS_INPLACE:
-            from ..._torch_weights import _version_tensors
+            from gpushare._torch_weights import _version_tensors
 
             expected = _checksums(torch, list(_version_tensors(ts, last_slot).values()))
         elif system == LOCAL:
@@ -595,8 +595,8 @@ def engine(
     try:
         import torch
 
-        from ... import TensorSetClosedError
-        from ...torch import as_tensor, bind
+        from gpushare import TensorSetClosedError
+        from gpushare.torch import as_tensor, bind
 
         cuda = isinstance(device, int)
         dev = torch.device(f"cuda:{device}") if cuda else torch.device("cpu")
