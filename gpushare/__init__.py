@@ -5,6 +5,10 @@ every public name of :mod:`multiprocessing` is here, bound to gpushare's
 default context (spawn start method, gpushare Process and Manager), and
 buffers made by ``mp.Manager()`` travel through queues, pipes and process
 arguments as small descriptors that the receiver maps with no copy.
+multiprocessing's public submodules have counterparts here too
+(``gpushare.connection``, ``gpushare.pool``, ``import gpushare.queues`` ...):
+multiprocessing's names, with gpushare's objects where gpushare changes
+behaviour (the rule is in :mod:`gpushare._mirror`). They load on first use.
 
 This module is only a facade: the implementation lives in private modules.
 Importing it costs about what importing :mod:`multiprocessing` costs: the
@@ -32,6 +36,7 @@ from ._errors import (
     LeakWarning,
     LeaseExpiredWarning,
     LoaderError,
+    MainGuardError,
     ManagerClosedError,
     NoDeviceError,
     OutOfMemoryError,
@@ -43,10 +48,37 @@ from ._errors import (
 )
 from ._version import __version__ as __version__
 
-# typing is not imported at run time: it costs every process about 3 ms (see gpushare._seams).
+# typing is not imported at run time: it is a measurable share of a child's start (see gpushare._seams).
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
+
+    # The submodules, loaded on first use by __getattr__ (see _SUBMODULES), for type checkers.
+    from . import connection as connection
+    from . import context as context
+    from . import dummy as dummy
+    from . import managers as managers
+    from . import pool as pool
+    from . import process as process
+    from . import queues as queues
+    from . import reduction as reduction
+    from . import shared_memory as shared_memory
+    from . import sharedctypes as sharedctypes
+    from . import synchronize as synchronize
+    from . import util as util
+
+    # The lazy names below, for type checkers and the API reference (docs/reference/).
+    from ._batch import SlotArray as SlotArray
+    from ._batch import SlotWriter as SlotWriter
+    from ._context import Process as Process
+    from ._fanout import Ring as Ring
+    from ._fanout import Snapshot as Snapshot
+    from ._fanout import TensorSet as TensorSet
+    from ._loader import SlotLoader as SlotLoader
+    from ._loader_workers import prepare_loaders as prepare_loaders
+    from ._manager import GRANULARITY as GRANULARITY
+    from ._manager import BufferManager as BufferManager
+    from ._reduction import Buffer as Buffer
 
 
 def _ray_form(buf: Any) -> tuple[Any, tuple[Any, ...]]:
@@ -62,6 +94,18 @@ _seams.set_ray_form(_ray_form)
 
 _MULTIPROCESSING_NAMES = list(_multiprocessing.__all__)
 globals().update((name, getattr(_default_context, name)) for name in _MULTIPROCESSING_NAMES)
+
+#: multiprocessing's public submodules, mirrored by gpushare's (loaded on first use; see gpushare._mirror).
+_SUBMODULES = frozenset(
+    ("connection", "context", "dummy", "managers", "pool", "process", "queues", "reduction", "shared_memory",
+     "sharedctypes", "synchronize", "util")
+)  # fmt: skip
+#: multiprocessing's other submodules: they implement start methods and resource bookkeeping, which
+#: the Python documentation does not describe as interfaces, and gpushare uses them unchanged.
+_LEFT_OUT = frozenset(
+    ("forkserver", "heap", "popen_fork", "popen_forkserver", "popen_spawn_posix", "popen_spawn_win32",
+     "resource_sharer", "resource_tracker", "spawn")
+)  # fmt: skip
 
 #: Public names whose modules load on first use: name -> (module, attribute).
 _LAZY = {
@@ -79,16 +123,21 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:  # gpushare.connection, gpushare.pool ...: multiprocessing's, mirrored
+        return _import_module(f".{name}", __name__)  # the import binds it here
     where = _LAZY.get(name)
     if where is None:
-        raise AttributeError(f"module 'gpushare' has no attribute {name!r}")
+        hint = ""
+        if name in _LEFT_OUT:
+            hint = f" (multiprocessing.{name} is multiprocessing's machinery, used unchanged: import it from there)"
+        raise AttributeError(f"module 'gpushare' has no attribute {name!r}{hint}")
     value = getattr(_import_module(where[0], __name__), where[1])
     globals()[name] = value  # the next lookup finds it directly
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(set(globals()) | set(_LAZY) | _SUBMODULES)
 
 
 __all__ = [
@@ -105,6 +154,7 @@ __all__ = [
     "LeakWarning",
     "LeaseExpiredWarning",
     "LoaderError",
+    "MainGuardError",
     "ManagerClosedError",
     "NoDeviceError",
     "OutOfMemoryError",

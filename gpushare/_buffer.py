@@ -73,21 +73,40 @@ def check_dtype(dtype: object) -> np.dtype[Any]:
 
 
 def check_shape(shape: object) -> tuple[int, ...]:
+    """``shape`` as a tuple of ints: one dimension or an iterable of them, each an integer
+    (``int``, a NumPy integer, anything with ``__index__``) >= 0. Anything else raises
+    ValueError naming the dimension: a float too (2.5 is no size; 2.0 is refused alike
+    rather than truncated), and a bool (an int to Python, never meant as a size)."""
+    if type(shape) is tuple and len(shape) <= 32 and all(type(d) is int and d >= 0 for d in shape):
+        return shape  # the usual case, checked at once
+    import operator
+
     import numpy as np
 
-    if isinstance(shape, (int, np.integer)):
-        shape = (int(shape),)
+    if isinstance(shape, (int, float, np.integer, np.floating)):
+        shape = (shape,)
     if isinstance(shape, (str, bytes)):
         raise ValueError(f"shape={shape!r} is not a tuple of ints")
     try:
-        dims = tuple(int(d) for d in shape)  # type: ignore[attr-defined]
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"shape={shape!r} is not a tuple of ints") from exc
+        items: tuple[Any, ...] = tuple(shape)  # type: ignore[arg-type]
+    except TypeError:
+        raise ValueError(f"shape={shape!r} is not a tuple of ints") from None
+    dims = []
+    for axis, d in enumerate(items):
+        try:
+            if isinstance(d, (bool, np.bool_)):
+                raise TypeError
+            dims.append(operator.index(d))
+        except TypeError:
+            raise ValueError(
+                f"shape={shape!r}: dimension {axis} is {d!r}, a {type(d).__name__}; dimensions are "
+                "integers (int or a NumPy integer), not floats or bools"
+            ) from None
     if any(d < 0 for d in dims):
-        raise ValueError(f"shape={dims} has a negative dimension; dimensions are >= 0")
+        raise ValueError(f"shape={tuple(dims)} has a negative dimension; dimensions are >= 0")
     if len(dims) > 32:
-        raise ValueError(f"shape={dims} has {len(dims)} dimensions; at most 32 are supported")
-    return dims
+        raise ValueError(f"shape={tuple(dims)} has {len(dims)} dimensions; at most 32 are supported")
+    return tuple(dims)
 
 
 def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:

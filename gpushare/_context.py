@@ -2,25 +2,31 @@
 
 Mirrors :mod:`multiprocessing.context`. Each concrete context (``spawn``,
 ``forkserver``, ``fork``) hands out gpushare Process classes, so anything
-built on ``ctx.Process`` -- ``Pool`` included -- starts gpushare workers, and
-``ctx.Manager()`` returns a started :class:`~gpushare.BufferManager`.
+built on ``ctx.Process`` starts gpushare workers, ``ctx.Pool()`` is gpushare's
+Pool (tasks and results pickled as a Process's arguments are, see
+gpushare._pool), ``ctx.Queue()``, ``ctx.JoinableQueue()`` and
+``ctx.SimpleQueue()`` are gpushare's queues, and ``ctx.Manager()`` returns a
+started :class:`~gpushare.BufferManager`. A ``concurrent.futures.ProcessPoolExecutor``
+given one of these contexts starts gpushare workers and carries lambdas too
+(its result queue is the context's SimpleQueue).
 
 The default context starts with **spawn** (CUDA cannot survive fork). It
 is separate from multiprocessing's own default: ``gpushare.set_start_method``
 never changes what plain ``multiprocessing`` does.
 
 Importing this module costs next to nothing beyond :mod:`multiprocessing`
-itself: the queue and Manager modules load when a context first makes one.
+itself: the queue, Pool and Manager modules load when a context first makes one.
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import sys
 from multiprocessing import context as _mpctx
 
 from ._process import GpuProcessMixin
 
-# typing is not imported at run time: it costs every process about 3 ms (see gpushare._seams).
+# typing is not imported at run time: it is a measurable share of a child's start (see gpushare._seams).
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
@@ -47,7 +53,7 @@ class ForkProcess(GpuProcessMixin, _mpctx.ForkProcess):
 
 
 class _ManagerMixin:
-    """What gpushare's contexts change: Manager, Queue, JoinableQueue."""
+    """What gpushare's contexts change: Manager, Queue, JoinableQueue, SimpleQueue, Pool."""
 
     def Queue(self, maxsize: int = 0) -> Any:
         """A queue that pickles items in ``put()`` (see gpushare._queues)."""
@@ -60,6 +66,30 @@ class _ManagerMixin:
         from ._queues import JoinableQueue
 
         return JoinableQueue(maxsize, ctx=self.get_context())  # type: ignore[attr-defined]
+
+    def SimpleQueue(self) -> Any:
+        """A simple queue whose items are pickled as a Process's arguments are (see gpushare._queues)."""
+        from ._queues import SimpleQueue
+
+        if "concurrent.futures.process" in sys.modules:
+            # Perhaps a ProcessPoolExecutor's result queue: its calls must carry what this does.
+            from ._pool import carry_executor_calls
+
+            carry_executor_calls()
+        return SimpleQueue(ctx=self.get_context())  # type: ignore[attr-defined]
+
+    def Pool(
+        self,
+        processes: int | None = None,
+        initializer: Any = None,
+        initargs: Any = (),
+        maxtasksperchild: int | None = None,
+    ) -> Any:
+        """A :class:`multiprocessing.pool.Pool` of gpushare processes whose tasks and results are
+        pickled as a Process's arguments are (see gpushare._pool)."""
+        from ._pool import Pool
+
+        return Pool(processes, initializer, initargs, maxtasksperchild, context=self.get_context())  # type: ignore[attr-defined]
 
     def Manager(self, **options: Any) -> Any:
         """A started :class:`~gpushare.BufferManager` (also a full multiprocessing Manager)."""

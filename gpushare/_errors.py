@@ -35,6 +35,11 @@ Every exception raised on purpose by gpushare derives from
 * :class:`DescriptorError` -- a descriptor is corrupt, truncated, from an
   incompatible version, or names a lease the owner does not know.
 * :class:`StartMethodError` -- a start method that cannot work with CUDA.
+* :class:`MainGuardError` (also a :class:`StartMethodError`) -- a process
+  was started while a child was still importing the main module: the
+  script starts processes outside an ``if __name__ == "__main__":`` guard.
+  Raised in that child, which then exits at once (exit code 78); a Pool
+  or Manager whose process exited so raises it in the parent too.
 * :class:`BackendUnavailableError` -- a backend this machine cannot run.
 * :class:`WaitTimeoutError` (also a :class:`TimeoutError`) -- a wait you
   bounded with ``timeout=`` ran out: a ring's ``acquire()``, ``publish()``
@@ -57,6 +62,7 @@ __all__ = [
     "LeakWarning",
     "LeaseExpiredWarning",
     "LoaderError",
+    "MainGuardError",
     "ManagerClosedError",
     "NoDeviceError",
     "OutOfMemoryError",
@@ -139,6 +145,16 @@ class DescriptorError(GpushareError, ValueError):
 
 class StartMethodError(GpushareError, RuntimeError):
     """The start method cannot be used here (fork after CUDA was initialised)."""
+
+
+class MainGuardError(StartMethodError):
+    """A process was started while a spawned child was still importing the main module.
+
+    A child started with spawn (gpushare's default) or forkserver imports the
+    main module again, so a script that starts processes at its top level,
+    outside ``if __name__ == "__main__":``, would start them again in every
+    child. The message names the line and the fix.
+    """
 
 
 class BackendUnavailableError(GpushareError, RuntimeError):

@@ -37,8 +37,9 @@ from multiprocessing.managers import State, SyncManager  # type: ignore[attr-def
 
 from . import _manager_server, _seams
 from ._errors import LeakWarning, ManagerClosedError, OutOfMemoryError
+from ._process import MAIN_GUARD_EXIT, main_guard_error
 
-# typing is not imported at run time: it costs every process about 3 ms (see gpushare._seams).
+# typing is not imported at run time: it is a measurable share of a child's start (see gpushare._seams).
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
@@ -48,8 +49,8 @@ if TYPE_CHECKING:
 
 __all__ = ["GRANULARITY", "BufferManager", "RemoteAllocator", "round_size"]
 
-#: Every allocation is a multiple of this (the CUDA VMM granularity, 2 MiB).
 GRANULARITY = 2 << 20
+"""Every allocation is a multiple of this many bytes (2 MiB, the CUDA VMM granularity)."""
 _MAX_BYTES = 1 << 50  # beyond any device; catches overflowing shapes early
 
 _DTYPE_NAMES: dict[Any, str] = {}  # dtype -> its name, for allocation labels (few dtypes exist)
@@ -245,7 +246,15 @@ class BufferManager(SyncManager):
     def start(self, initializer: Any = None, initargs: Any = ()) -> None:
         if initializer is not None and not callable(initializer):
             raise TypeError("initializer must be a callable")
-        super().start(_manager_server.server_init, (self._owner_mode, self._owner_options, initializer, initargs))
+        try:
+            super().start(_manager_server.server_init, (self._owner_mode, self._owner_options, initializer, initargs))
+        except EOFError:  # the server exited before it sent its address
+            server = getattr(self, "_process", None)
+            if server is not None:
+                server.join(5.0)
+                if server.exitcode == MAIN_GUARD_EXIT:
+                    raise main_guard_error("the Manager's server process", server.pid) from None
+            raise
         self._install_shutdown()
 
     def connect(self) -> None:
@@ -369,7 +378,7 @@ class BufferManager(SyncManager):
         this Manager holding every tensor at a 256-byte aligned offset. Pickle
         the set into each engine (a Process argument, a Queue, a Ray actor
         argument): it arrives as a reader. See :class:`~gpushare.TensorSet`,
-        the protocol in ``gpushare._fanout`` and docs/weight-sync.md.
+        the protocol in ``gpushare._fanout`` and docs/guides/weight-sync.md.
         """
         from ._fanout import create_tensor_set
 

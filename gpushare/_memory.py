@@ -60,8 +60,8 @@ class Memory:
     )
 
     # Every caller passes the arguments by position, in this order: a consumer makes one
-    # Memory per arriving buffer, and a keyword call costs more (0.79 against 0.22 us on the
-    # development machine: docs/performance.md, "Hot-path choices").
+    # Memory per arriving buffer, and a keyword call costs more (dev/performance.md,
+    # "Hot-path choices").
     def __init__(
         self,
         backend: Any,
@@ -105,7 +105,7 @@ class Memory:
         # Buffers are dropped inside the garbage collector, on any thread, where a lock
         # could deadlock; list.append and list.pop are each one atomic step under the
         # GIL, so exactly one drop -- the one that pops the first entry -- is the last.
-        # It is also cheaper than a lock and an int (0.057 against 0.369 us a pair: performance.md).
+        # It is also cheaper than a lock and an int (dev/performance.md, "Hot-path choices").
         self._refs: list[bool] = []
 
     def arm(self, event: Any, pending: bool) -> None:

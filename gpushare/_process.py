@@ -11,19 +11,28 @@ What it adds to :class:`multiprocessing.Process`:
   everything in it can go by reference -- the usual case: a module-level
   target, the main module's functions when the child re-imports that module
   -- that stream is exactly what multiprocessing's ``ForkingPickler`` writes,
-  and neither process imports cloudpickle (about 15 ms). Otherwise (lambdas,
+  and neither process imports cloudpickle (an import that would be a measurable
+  share of a child's start: the `startup` benchmark scenario). Otherwise (lambdas,
   closures, functions of an interactive session or of ``python -c``) it is
   cloudpickle's, so those travel by value, with every reducer registered with
   ``ForkingPickler`` in its dispatch table (so queues, pipes, locks,
   ``Value``/``Array``/``Barrier``, buffers, torch tensors -- whatever
   multiprocessing itself would carry -- travel as they always do). Which one
-  is decided by a dry run that pickles into nothing with every registered
-  reducer stubbed out, so that deciding takes no lease, duplicates no fd and
-  moves no tensor into shared memory. One stream keeps object identity: a
-  target's ``self`` that is also in ``args`` arrives as one object.
+  is decided by a dry run with every registered reducer stubbed out, so that
+  deciding takes no lease, duplicates no fd and moves no tensor into shared
+  memory; when it stubbed none, its pickle is the answer (one pass, the
+  usual task or result). One stream keeps object identity: a target's
+  ``self`` that is also in ``args`` arrives as one object. gpushare's
+  queues, its Pool (tasks and results) and a ProcessPoolExecutor given its
+  context pickle with :func:`dumps` too, so all of them carry what a
+  Process carries.
 * ``start()`` refuses the fork start method once CUDA is initialised in
   this process: a forked child cannot use CUDA, and the error says what to
-  use instead.
+  use instead. It checks ``device=N`` in the parent, before a child starts:
+  NoDeviceError when the child would not have that device. And in a child
+  that is still importing the main module (a script that starts processes
+  without ``if __name__ == "__main__":``) it raises MainGuardError, and the
+  child exits at once (see "a script without the main guard" below).
 * At exit the worker releases every buffer it still holds and closes its
   connections, so the owner recycles the memory at once.
 
@@ -34,24 +43,34 @@ load when a worker first touches a device or a buffer.
 
 from __future__ import annotations
 
+import _thread
+import copyreg
 import io
 import os
 import pickle
 import sys
 import types
+import weakref
 from multiprocessing import reduction as _mp_reduction
 from multiprocessing.context import get_spawning_popen
-from multiprocessing.process import BaseProcess
+from multiprocessing.process import BaseProcess, current_process
 from multiprocessing.reduction import ForkingPickler
 
-from ._errors import StartMethodError
+from ._errors import MainGuardError, NoDeviceError, StartMethodError
 
-# typing is not imported at run time: it costs every process about 3 ms (see gpushare._seams).
+# typing is not imported at run time: it is a measurable share of a child's start (see gpushare._seams).
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
-__all__ = ["GpuProcessMixin", "cuda_initialized", "dumps"]
+__all__ = [
+    "MAIN_GUARD_EXIT",
+    "GpuProcessMixin",
+    "cuda_initialized",
+    "dumps",
+    "main_guard_error",
+    "stopped_by_main_guard",
+]
 
 
 def cuda_initialized() -> bool:
@@ -105,8 +124,6 @@ def _dispatch_table() -> dict[Any, Any]:
     send a classmethod's function by value, with a copy of its module's
     globals instead of the child's module.
     """
-    import copyreg
-
     import cloudpickle
 
     table = dict(copyreg.dispatch_table)
@@ -160,26 +177,34 @@ class _ByValueNeededError(Exception):
     """The dry run met something only cloudpickle carries."""
 
 
+_dry = _thread._local()  # .stubbed: whether this thread's dry run stubbed a reducer
+
+
 def _stub(obj: Any) -> Any:
+    _dry.stubbed = True
     return (int, ())
 
 
-class _Sink:
-    """Where the dry run writes: nowhere."""
+def _reduce_method_by_name(method: Any) -> Any:
+    """multiprocessing's reducer for bound methods, for a method that ``getattr`` finds again."""
+    if not _method_by_name(method):
+        raise _ByValueNeededError
+    return _mp_reduction._reduce_method(method)  # type: ignore[attr-defined]
 
-    def write(self, data: Any) -> int:
-        return len(data)
+
+_tables: tuple[dict[Any, Any], dict[Any, Any], dict[Any, Any]] | None = None
 
 
-def _plain_stream_suffices(obj: Any, main: Any) -> bool:
-    """Dry run: does ``obj`` pickle with multiprocessing's own pickler, every function and
-    class by reference? Nothing is written, and the reducers registered with
-    ForkingPickler, and gpushare's own, are stubbed: they take leases, duplicate fds or
-    move tensors to shared memory, which a dry run must not do. Any failure sends the
-    object to cloudpickle, which carries more, or fails with its own explanation."""
-    import copyreg
-
+def _dry_run_table() -> dict[Any, Any]:
+    """ForkingPickler's dispatch table for the dry run: the reducers registered with it,
+    and gpushare's own, stubbed (they take leases, duplicate fds or move tensors to shared
+    memory, which a dry run must not do); multiprocessing's reducers for methods and
+    partials kept, to be looked into. Rebuilt when a registration changed."""
+    global _tables
     extra = ForkingPickler._extra_reducers  # type: ignore[attr-defined]
+    cached = _tables
+    if cached is not None and cached[0] == copyreg.dispatch_table and cached[1] == extra:
+        return cached[2]
     table = dict(copyreg.dispatch_table)
     table.update(extra)
     for kind, reducer in list(table.items()):
@@ -187,36 +212,84 @@ def _plain_stream_suffices(obj: Any, main: Any) -> bool:
         # multiprocessing registers for methods and partials, which must be looked into.
         if reducer not in _PURE_REDUCERS and (kind in extra or getattr(kind, "__module__", "").startswith("gpushare")):
             table[kind] = _stub
-
-    class _DryRun(pickle.Pickler):
-        dispatch_table = table
-
-        def reducer_override(self, value: Any) -> Any:
-            if isinstance(value, (types.FunctionType, type)):
-                if not _by_reference(main, value):
-                    raise _ByValueNeededError
-            elif isinstance(value, types.MethodType) and not _method_by_name(value):
-                raise _ByValueNeededError
-            return NotImplemented
-
-    try:
-        _DryRun(_Sink(), protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
-    except Exception:
-        return False
-    return True
+    if table.get(types.MethodType) in _PURE_REDUCERS:  # a method getattr would not find goes by value
+        table[types.MethodType] = _reduce_method_by_name
+    _tables = (dict(copyreg.dispatch_table), dict(extra), table)
+    return table
 
 
-def dumps(obj: Any) -> bytes:
-    """Pickle ``obj`` for a child process (see the module docstring).
+class _NoMainPickler(pickle.Pickler):
+    """The dry run's pickler where the child does not re-import the main module: its
+    functions and classes, which the plain pickler would name, only go by value."""
 
-    Must run while multiprocessing is spawning the child (inside its own
-    pickling of the process object) for the objects that only pickle then:
-    locks, semaphores, connections, the authkey.
+    def __init__(self, file: Any, protocol: int | None, main: Any) -> None:
+        super().__init__(file, protocol)
+        self.main = main
+
+    def reducer_override(self, value: Any) -> Any:
+        if isinstance(value, (types.FunctionType, type)) and not _by_reference(self.main, value):
+            raise _ByValueNeededError
+        return NotImplemented
+
+
+def _dry_run(obj: Any, protocol: int | None, main: Any) -> tuple[bool, bytes | None]:
+    """Does ``obj`` pickle with multiprocessing's own pickler, every function and class
+    by reference? Pickled with the :func:`_dry_run_table`, so no reducer acts. Returns
+    (False, None) when only cloudpickle can carry it (or fails to, with its own
+    explanation); (True, the pickle) when no reducer was stubbed, so that the pickle is
+    byte for byte what ForkingPickler writes; (True, None) when ForkingPickler must run.
+
+    Where the child re-imports the main module the C pickler does all of it: it names a
+    function or class by reference exactly when the child finds it by that name, and
+    fails otherwise. Elsewhere the main module's own go by value (:class:`_NoMainPickler`).
     """
-    main = _main_module_reimported()
-    if _plain_stream_suffices(obj, main):
-        out = io.BytesIO()
-        ForkingPickler(out, pickle.HIGHEST_PROTOCOL).dump(obj)
+    out = io.BytesIO()
+    if main is None:
+        pickler: pickle.Pickler = _NoMainPickler(out, protocol, main)
+    else:
+        pickler = pickle.Pickler(out, protocol)
+    pickler.dispatch_table = _dry_run_table()
+    outer = getattr(_dry, "stubbed", False)
+    _dry.stubbed = False
+    try:
+        pickler.dump(obj)
+    except Exception:
+        return False, None
+    finally:
+        stubbed, _dry.stubbed = _dry.stubbed, outer
+    return True, None if stubbed else out.getvalue()
+
+
+_main_cache: tuple[Any, Any] = (None, None)  # (sys.modules["__main__"], _main_module_reimported())
+
+
+def _reimported_main() -> Any:
+    """:func:`_main_module_reimported`, asked once per main module."""
+    global _main_cache
+    main = sys.modules.get("__main__")
+    if main is None or _main_cache[0] is not main:
+        _main_cache = (main, _main_module_reimported())
+    return _main_cache[1]
+
+
+def dumps(obj: Any, protocol: int | None = pickle.HIGHEST_PROTOCOL) -> bytes:
+    """Pickle ``obj`` for another process (see the module docstring): what a child is
+    started with, a gpushare queue's items, a Pool's tasks and results, an executor's
+    calls. ``protocol=None`` is ForkingPickler's default (what multiprocessing's queues
+    and connections use).
+
+    When nothing in ``obj`` needs a registered reducer that acts (the usual task or
+    result), the dry run's pickle is the answer: one pass. Objects that only pickle
+    while multiprocessing is spawning a child (locks, semaphores, connections, the
+    authkey) must be pickled then.
+    """
+    main = _reimported_main()
+    plain, data = _dry_run(obj, protocol, main)
+    if data is not None:
+        return data
+    out = io.BytesIO()
+    if plain:
+        ForkingPickler(out, protocol).dump(obj)
         return out.getvalue()
     import cloudpickle
 
@@ -228,8 +301,7 @@ def dumps(obj: Any) -> bytes:
                 return NotImplemented  # by reference, as __main__.name: the child re-imports main
             return super().reducer_override(obj)
 
-    out = io.BytesIO()
-    _ChildPickler(out, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    _ChildPickler(out, protocol=protocol).dump(obj)
     return out.getvalue()
 
 
@@ -271,6 +343,110 @@ def bind_device(device: int | str | None) -> None:
         cupy.cuda.Device(device).use()
 
 
+def _check_device(device: int) -> None:
+    """``start()`` of a process bound to CUDA device ``device``: raise NoDeviceError here,
+    before the child starts, when it would not have that device. When ``CUDA_VISIBLE_DEVICES``
+    changed since the driver loaded here, only the child can tell, and it is left to.
+
+    A parent that has not initialised CUDA does not load the driver for this (that would
+    cost it the driver's start and, from then on, the fork start method): it reads what
+    the kernel driver lists, an upper bound that refuses a machine without a GPU and an
+    ordinal past the devices present; the child checks the rest."""
+    from . import _cuda
+
+    try:
+        count = _cuda.child_device_count() if cuda_initialized() else _cuda.present_device_count()
+    except NoDeviceError as exc:
+        raise NoDeviceError(f"cannot start a process on CUDA device {device}: {exc}") from exc.__cause__
+    if count is not None and device >= count:
+        raise NoDeviceError(
+            f"cannot start a process on CUDA device {device}: a child would see {count} CUDA device(s) "
+            f"(ordinals 0..{count - 1}; CUDA_VISIBLE_DEVICES renumbers them), and the child inherits "
+            "its environment. Pick one of those, or device='cpu' (host shared memory) or device=None"
+        )
+
+
+# -- a script without the main guard ---------------------------------------------------
+#
+# A child started with spawn or forkserver imports the main module again (as __mp_main__)
+# before it unpickles its process object. A script that starts processes at its top level
+# would start them again there, in every child; multiprocessing refuses with a RuntimeError,
+# and a Pool, which replaces a worker that exits, starts another, which fails the same way,
+# forever. Here the child raises MainGuardError and exits at once with MAIN_GUARD_EXIT, and
+# a parent that waits for such a child (a Pool, a Manager) raises MainGuardError in turn.
+
+MAIN_GUARD_EXIT = 78  # EX_CONFIG: the exit code of a child stopped by MainGuardError
+
+_GUARD_FIX = (
+    'put the code that starts processes (Process, Pool, Manager, executors) under `if __name__ == "__main__":`, '
+    "or, if CUDA is not used before they start, use the 'fork' start method "
+    "(gpushare.set_start_method('fork')), whose children do not import the main module again"
+)
+
+
+def _main_guard_error_here() -> MainGuardError:
+    """The error for ``start()`` in a child still importing the main module, naming the
+    main module's line that started the process. When it ends the child (uncaught: unless
+    the script catches it), it is printed without the traceback through multiprocessing's
+    bootstrap, exit handlers run, and the child exits at once with MAIN_GUARD_EXIT, which
+    its parent recognises."""
+    where = "the main module"
+    frame: Any = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__mp_main__":
+            where = f"line {frame.f_lineno} of {frame.f_code.co_filename}"
+            break
+        frame = frame.f_back
+    error = MainGuardError(
+        f"{where} starts a process, and this child process (pid {os.getpid()}) ran it again while it "
+        "imported the main module, as every child started with spawn (gpushare's default) or forkserver "
+        f"does: what the main module does at its top level runs again in each child. To fix it, {_GUARD_FIX}"
+    )
+    previous = sys.excepthook
+
+    def exit_now(kind: Any, value: Any, tb: Any) -> None:
+        if value is not error:
+            previous(kind, value, tb)
+            return
+        try:
+            sys.stderr.write(f"gpushare.MainGuardError: {error}\n")
+            import atexit
+
+            atexit._run_exitfuncs()
+        finally:
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except Exception:
+                    pass
+            os._exit(MAIN_GUARD_EXIT)
+
+    sys.excepthook = exit_now
+    return error
+
+
+def main_guard_error(who: str, pid: int | None) -> MainGuardError:
+    """In a parent: the error for its child ``who`` that exited with MAIN_GUARD_EXIT."""
+    path = getattr(sys.modules.get("__main__"), "__file__", None) or "the main module"
+    return MainGuardError(
+        f"{who} (pid {pid}) stopped at once: it imported the main module ({path}) again, as a child "
+        "started with spawn or forkserver does, and that module starts processes at its top level "
+        f"(the child printed the line). To fix it, {_GUARD_FIX}"
+    )
+
+
+_spawned: weakref.WeakSet[BaseProcess] = weakref.WeakSet()  # children this process started that import main
+
+
+def stopped_by_main_guard() -> Any:
+    """A child this process started (spawn or forkserver) that exited with MAIN_GUARD_EXIT,
+    or None. Asking reaps the children that exited, as ``exitcode`` does."""
+    for child in list(_spawned):
+        if child._parent_pid == os.getpid() and child.exitcode == MAIN_GUARD_EXIT:  # type: ignore[attr-defined]
+            return child
+    return None
+
+
 class GpuProcessMixin(BaseProcess):
     """Adds ``device=``, cloudpickle with ForkingPickler's reducers, the fork check and cleanup at exit."""
 
@@ -307,13 +483,21 @@ class GpuProcessMixin(BaseProcess):
         return str(method)
 
     def start(self) -> None:
-        if self._resolved_start_method() == "fork" and cuda_initialized():
+        if getattr(current_process(), "_inheriting", False):
+            raise _main_guard_error_here()
+        method = self._resolved_start_method()
+        if method == "fork" and cuda_initialized():
             raise StartMethodError(
                 "cannot start a process with the 'fork' start method: CUDA is already initialised in "
                 "this process, and a forked child cannot use it (CUDA_ERROR_NOT_INITIALIZED). Use the "
-                "default 'spawn' (gpushare.set_start_method('spawn')) or 'forkserver'"
+                "default 'spawn' (gpushare.get_context('spawn'), or gpushare.set_start_method('spawn', "
+                "force=True)) or 'forkserver'"
             )
+        if isinstance(self._device, int) and method != "fork":  # fork: loading the driver here would break the child
+            _check_device(self._device)
         super().start()
+        if method != "fork":
+            _spawned.add(self)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         if get_spawning_popen() is None:  # not a child's start (copy.copy, say): as multiprocessing does

@@ -14,7 +14,9 @@ What ``put()`` hands the feeder thread, and what travels:
   is, and the feeder pickles it, as multiprocessing's does;
 * a Buffer: its wire form (:func:`gpushare._reduction.queue_pickle`, the
   same pickle a Pipe or a Process argument carries), built in ``put()``;
-* anything else: pickled in ``put()`` with multiprocessing's ForkingPickler.
+* anything else: pickled in ``put()`` as a Process's arguments are
+  (:func:`gpushare._process.dumps`): by multiprocessing's ForkingPickler,
+  with cloudpickle only for what it alone carries (lambdas, closures).
 
 The last two are :class:`_Pickled` bytes, which this queue's own feeder
 thread (:func:`_feed`) writes to the pipe as they are: each item is pickled
@@ -40,8 +42,19 @@ put before, and never before:
 * a creator that is killed is noticed by a blocking ``get()``, which checks
   every ``WATCH_INTERVAL`` seconds, once the queue is empty.
 
+That check also looks at the children this process started: one that exited
+with :data:`~gpushare._process.MAIN_GUARD_EXIT` stopped while it imported a
+main module without ``if __name__ == "__main__":``, so it never ran, and
+neither will any other child of the script. ``get()`` raises
+:class:`~gpushare.MainGuardError` instead of waiting forever for its items.
+
 A queue still fed by other living processes keeps working while items keep
 coming.
+
+:class:`SimpleQueue` is multiprocessing's, pickling its items the same way
+(in ``put()``, which it always did): it is the queue a Pool and a
+``ProcessPoolExecutor`` given gpushare's context move tasks and results
+through, so those carry lambdas and closures as a Process does.
 
 Watching makes every blocking ``get()`` one with a timeout, which in the
 stdlib polls the pipe through a new selector per call (about as much CPU
@@ -65,13 +78,14 @@ from multiprocessing import queues, util
 from multiprocessing.reduction import ForkingPickler
 
 from ._errors import OwnerGoneError
+from ._process import dumps, main_guard_error, stopped_by_main_guard
 
-# typing is not imported at run time: it costs every process about 3 ms (see gpushare._seams).
+# typing is not imported at run time: it is a measurable share of a child's start (see gpushare._seams).
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
-__all__ = ["JoinableQueue", "Queue"]
+__all__ = ["JoinableQueue", "Queue", "SimpleQueue"]
 
 
 _ATOMS = frozenset({type(None), bool, int, float, complex, str, bytes})
@@ -116,7 +130,7 @@ def _capture(obj: Any) -> Any:
 
         _Buffer, _queue_pickle = Buffer, queue_pickle
         return _capture(obj)
-    return _Pickled(bytes(ForkingPickler.dumps(obj)))
+    return _Pickled(dumps(obj, None))
 
 
 def _restore(data: bytes) -> Any:
@@ -356,6 +370,9 @@ class _CaptureAndWatch:
                         "empty; nothing more will come from it. Its buffers' memory may be gone too; "
                         "end this worker, or use Manager(owner='server') for buffers that outlive it"
                     ) from None
+            child = stopped_by_main_guard()
+            if child is not None:  # nothing it was to put will come, nor from any child started alike
+                raise main_guard_error(f"child process {child.name}", child.pid)
 
     def _receive(self, block: bool, timeout: float | None) -> bytes:
         """One item's bytes from the pipe (multiprocessing's get, less the unpickling, which
@@ -387,3 +404,18 @@ class Queue(_CaptureAndWatch, queues.Queue):  # type: ignore[type-arg]
 
 class JoinableQueue(_CaptureAndWatch, queues.JoinableQueue):  # type: ignore[type-arg]
     """``multiprocessing.JoinableQueue``, with the same two changes as :class:`Queue`."""
+
+
+class SimpleQueue(queues.SimpleQueue):
+    """``multiprocessing.SimpleQueue`` whose ``put()`` pickles as a Process's arguments are
+    (lambdas and closures by value): Pool's and ProcessPoolExecutor's tasks and results."""
+
+    def put(self, obj: Any) -> None:
+        # Pickled before taking the lock, as the stdlib's does; a plain value (a Pool's None
+        # sentinel, put even at interpreter exit) by ForkingPickler alone, the same bytes.
+        data = ForkingPickler.dumps(obj) if _settled(obj) else dumps(obj, None)
+        if self._wlock is None:  # type: ignore[attr-defined]
+            self._writer.send_bytes(data)  # type: ignore[attr-defined]
+        else:
+            with self._wlock:  # type: ignore[attr-defined]
+                self._writer.send_bytes(data)  # type: ignore[attr-defined]

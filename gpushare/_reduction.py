@@ -18,8 +18,9 @@ How each path produces and reads that form:
   (:func:`queue_pickle`: a fixed head, the descriptor, a fixed tail) and its
   ``get()`` reads the descriptor straight out of those bytes
   (:func:`from_queue_pickle`) instead of running the unpickler, which would
-  look ``rebuild_buffer`` up by name -- an import on every load, about
-  0.85 us, more than the rest of unpickling a buffer. The bytes are still an
+  look ``rebuild_buffer`` up by name -- an import on every load, which cost
+  more than the rest of unpickling a buffer (dev/performance.md; the
+  `handoff_*` and `throughput` benchmark scenarios time the Queue). The bytes are still an
   ordinary pickle: any unpickler reads them.
 * Ray is the one other form (:mod:`gpushare.ray`, reached through the
   ``ray_form`` seam): a Ray object may be read many times, by many processes,

@@ -226,9 +226,9 @@ class _PublishPlan:
 
     A trainer publishes the same weights every step: ``model.state_dict()`` is a
     new mapping of new tensor objects (detached) over the same memory. Checking
-    each against the layout and sorting the kernel's copies from the others cost
-    about 0.2 ms for 291 tensors on the development machine, 0.5 ms on the H200
-    machine's host, before the GPU had anything to do. A kept plan is used again
+    each against the layout and sorting the kernel's copies from the others was
+    a measurable share of a copy-mode sync (the `weight_sync_8b` benchmark
+    scenario's 291 tensors), all of it before the GPU had anything to do. A kept plan is used again
     when the mapping has the layout's names and each tensor is at the same
     address, of the same shape and dtype, as contiguous as before and on the same
     side (host or GPU): then a new plan would copy the same bytes from the same
@@ -384,8 +384,8 @@ def load_state_dict(module: torch.nn.Module, snapshot: Mapping[str, Any], *, str
     """
     reader = hasattr(snapshot, "_order_stream")  # a reader's snapshot, not a mapping of views
     # Where each tensor goes is worked out once per module and layout, as bind() does:
-    # module.state_dict() walks every submodule (0.3-0.6 ms for a 22-layer model on the
-    # H200 machine's host), every sync; the kept plan is checked instead.
+    # module.state_dict() walks every submodule (a measurable share of a copy-mode sync:
+    # the `weight_sync` benchmark scenario), every sync; the kept plan is checked instead.
     plan = _BindPlan.kept(module, snapshot, strict, _LOAD_PLAN) if reader else None
     if plan is None:
         own, keys = _match(module, snapshot, strict)
@@ -430,7 +430,7 @@ def bind(module: torch.nn.Module, snapshot: Any, *, strict: bool = True) -> Inco
         # A reader's snapshot: the module's tensors over its version slot are made once
         # per slot (DLPack on CUDA: milliseconds a version for a 200-tensor model), and
         # where each goes in the module is worked out once (module.state_dict() walks
-        # every submodule: 0.3-0.6 ms for a 22-layer model) and checked after.
+        # every submodule, as load_state_dict() notes) and checked after.
         plan = _BindPlan.make(module, snapshot, strict, own, keys) if reader else None
     if plan is not None:
         made = plan.tensors(module, snapshot)

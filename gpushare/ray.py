@@ -1,11 +1,23 @@
 """Ray: gpushare Buffers as task and actor arguments, return values and ``ray.put`` objects.
 
-Nothing to register and nothing to call: ``Buffer.__reduce__`` sees that the
-process is connected to Ray (Ray serializes with cloudpickle, which honours
-``__reduce__``; multiprocessing's ForkingPickler keeps its own reducer) and
-gives the buffer its Ray form::
+Nothing to register and nothing to call. A Buffer has no ``__reduce__`` of
+its own: :mod:`gpushare._reduction`, loaded before any Buffer exists,
+registers a ``copyreg`` reducer for it (``reduce_pickled``), which plain
+``pickle``, ``copy`` and cloudpickle consult -- Ray serializes with its
+cloudpickle, whose dispatch table falls back to ``copyreg``'s. That reducer
+asks the ``ray_form`` seam (:mod:`gpushare._seams`; the facade,
+``gpushare/__init__.py``, connects it to :func:`reduce_for_ray`): when ``ray``
+is imported and ``ray.is_initialized()`` in the pickling process, the buffer
+takes its Ray form::
 
     (gpushare.ray._rebuild, (descriptor bytes, node identity, Ray node id, owner authkey))
+
+Otherwise it takes the ordinary form, ``(rebuild_buffer, (descriptor
+bytes,))``. multiprocessing's ForkingPickler (Pipes, Process arguments) has
+its own reducer for Buffer, registered beside the ``copyreg`` one
+(``reduce_buffer``), and gpushare's Queue builds its pickle itself, so
+neither gives the Ray form, even inside a Ray worker; in a connected Ray
+process every other ``pickle``, cloudpickle or ``copy`` of a Buffer does.
 
 Data flow:
 
@@ -62,6 +74,7 @@ from ._reduction import attach_buffer, descriptor_of
 __all__ = ["NODE_ID_ENV", "NodeCopy", "node_identity", "reduce_for_ray"]
 
 NODE_ID_ENV = "GPUSHARE_NODE_ID"
+"""The environment variable that names this machine, where the boot id is not enough (see node_identity)."""
 _BOOT_ID = "/proc/sys/kernel/random/boot_id"
 
 

@@ -25,7 +25,7 @@ import time
 
 import pytest
 from conftest import BACKENDS, device_for, guarded, kill_quietly, recv, start_guarded, wait_until
-from workers import total, w_hold_until_told
+from workers import total, w_hold_until_told, w_touch_when_told
 
 import gpushare as mp
 from gpushare._authsocket import process_alive
@@ -55,18 +55,6 @@ def w_hold_and_return(out, jobs) -> None:
     buf = jobs.get(timeout=T)
     out.put(("holding", total(buf)))
     # returns without releasing: the exit must give the lease back
-
-
-def w_touch_when_told(out, jobs, control) -> None:
-    buf = jobs.get(timeout=T)
-    out.put(("holding", total(buf)))
-    control.get(timeout=T)
-    try:
-        total(buf)
-    except mp.GpushareError as exc:
-        out.put((type(exc).__name__, str(exc)))
-    else:
-        out.put(("no error", ""))
 
 
 def w_relay(out, jobs, forward) -> None:

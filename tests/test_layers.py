@@ -1,10 +1,15 @@
 """The package's import graph: no circles, and layers that import only downwards.
 
 The layers are read from docs/design.md (the picture under "## Layers": one line per
-layer, top first; a line starting with a space continues the description above it), so
-the picture and the code cannot drift apart. Every ``import`` and ``from ... import`` in
+layer, top first; a line starting with a space continues the description above it, or,
+when the names above end with a comma, those names: a layer of many small modules, such
+as the mirrors of multiprocessing's submodules, would not fit one line), so the picture
+and the code cannot drift apart. Every ``import`` and ``from ... import`` in
 every module of the package counts, at module level and inside functions alike (those
 under ``if TYPE_CHECKING:`` too: they name the layer a module depends on).
+
+The benchmark (``bench/``, at the checkout's root) is a tool of the repository, above the
+package: it imports gpushare, and no module of the package imports it (it is not in the wheel).
 
 Also the test suite's own rule: a helper is defined once, in conftest.py,
 in workers.py (worker targets several files start) or in the one test file
@@ -69,12 +74,13 @@ def doc_layers() -> list[list[str]]:
     section = text.split("\n## Layers\n", 1)[1]
     block = section.split("```", 2)[1]
     layers: list[list[str]] = []
+    continued = False  # the names above ended with a comma: this line goes on with them
     for line in block.splitlines()[1:]:
-        if not line.strip() or line[0].isspace():
+        if not line.strip() or (line[0].isspace() and not continued):
             continue
         column = re.split(r"\s{2,}", line.strip(), maxsplit=1)[0]
         names = []
-        for token in (t.strip() for t in column.split(",")):
+        for token in (t.strip() for t in column.split(",") if t.strip()):
             token = token.removeprefix("gpushare/")
             if token == "__init__.py":
                 names.append("gpushare")
@@ -84,7 +90,11 @@ def doc_layers() -> list[list[str]]:
                 names.append("gpushare." + token[:-3])
             else:
                 raise AssertionError(f"docs/design.md layer line names {token!r}: write module.py or package/")
-        layers.append(names)
+        if continued:
+            layers[-1].extend(names)
+        else:
+            layers.append(names)
+        continued = column.endswith(",")
     return layers
 
 
@@ -177,6 +187,22 @@ def test_function_level_imports_count(tmp_path: Path) -> None:
     path.write_text(source, encoding="utf-8")
     known = {"gpushare._a", "gpushare._b", "gpushare._c"}
     assert imports_of("gpushare._a", path, known) == {"gpushare._b", "gpushare._c"}
+
+
+def test_no_module_of_the_package_imports_the_benchmark() -> None:
+    """``bench`` lives in the checkout, not in the wheel: an import of it from the package
+    would work in the checkout and fail for every user."""
+    found = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                targets = [node.module or ""]
+            else:
+                continue
+            found += [f"{name} imports {t} (line {node.lineno})" for t in targets if t.split(".")[0] == "bench"]
+    assert not found, "the package imports the benchmark, which is not in the wheel:\n" + "\n".join(found)
 
 
 # -- the test suite: one home per helper ---------------------------------------------------

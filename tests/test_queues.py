@@ -204,7 +204,7 @@ def test_items_shaped_like_a_queued_buffer_arrive_as_themselves(manager, reap) -
 def test_put_of_unpicklable_item_raises_in_caller() -> None:
     q = mp.Queue()
     with pytest.raises(Exception, match="pickle"):
-        q.put(lambda: None)
+        q.put(threading.Lock())  # a lambda would go: the queue pickles as a Process's arguments are
     jq = mp.JoinableQueue()
     jq.put(1)
     assert jq.get(timeout=5) == 1

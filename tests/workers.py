@@ -64,3 +64,16 @@ def w_hold_until_told(out, jobs, control) -> None:
     out.put(("after", total(buf)))
     buf.release()
     out.put(("released",))
+
+
+def w_touch_when_told(out, jobs, control) -> None:
+    """Hold a buffer; on the word, read it again and report what that raised."""
+    buf = jobs.get(timeout=T)
+    out.put(("holding", total(buf)))
+    control.get(timeout=T)
+    try:
+        total(buf)
+    except mp.GpushareError as exc:
+        out.put((type(exc).__name__, str(exc)))
+    else:
+        out.put(("no error", ""))

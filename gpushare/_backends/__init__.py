@@ -136,8 +136,8 @@ def resolve(device: object, backend: str | None = None) -> tuple[Backend, int | 
         else:
             if backend not in (None, "host"):
                 raise NoDeviceError(
-                    f"backend={backend!r} needs a GPU, and none is usable here. "
-                    "Use device='cpu' for host shared memory."
+                    f"backend={backend!r} needs a GPU, and none is usable here. For host shared memory "
+                    "use device='cpu' without backend= (or with backend='host')"
                 )
             if not _warned_no_gpu:
                 _warned_no_gpu = True
@@ -156,7 +156,10 @@ def resolve(device: object, backend: str | None = None) -> tuple[Backend, int | 
             )
         return get("host"), None
     assert isinstance(parsed, int)
-    count = _cuda.device_count()  # NoDeviceError with no driver / no GPU
+    try:
+        count = _cuda.device_count()
+    except NoDeviceError as exc:  # no driver, no GPU: say which request needed one
+        raise NoDeviceError(f"device={device!r} asks for CUDA device {parsed}, but: {exc}") from exc.__cause__
     if parsed >= count:
         raise NoDeviceError(
             f"CUDA device {parsed} does not exist: this process sees {count} device(s) "

@@ -31,7 +31,8 @@ class Allocation:
     """Memory owned by this process. ``ptr`` is valid here.
 
     A plain class with slots rather than a dataclass: importing ``dataclasses``
-    costs every process that imports gpushare about 10 ms (it imports ``inspect``).
+    (it imports ``inspect``) would be a measurable share of the start of every
+    process that imports gpushare (the `startup` benchmark scenario).
     """
 
     __slots__ = ("backend", "device", "device_uuid", "handle", "native", "nbytes", "ptr")

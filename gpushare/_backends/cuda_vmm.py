@@ -6,7 +6,8 @@ an address range, map, set access, all aligned to the allocation
 granularity (2 MiB on current GPUs; the Manager rounds sizes to 2 MiB and
 this backend rounds further if a device needs more). The fd is exported
 with ``cuMemExportToShareableHandle`` once per allocation and kept until
-the allocation is freed. The export costs about 0.7 ms, so it starts, on
+the allocation is freed. The export is a slow driver call (it shows in
+the `first_share` benchmark scenario's cuda_vmm column), so it starts, on
 a background thread, when the allocation is first shared (``export``,
 called as each lease is taken): by the time the first consumer has
 received the descriptor, claimed its lease and asked for the fd, the fd
@@ -89,7 +90,7 @@ class CudaVmmBackend(CudaBackend):
         return b""  # the fd travels separately (export_fd)
 
     def _export_ahead(self, allocation: _base.Allocation) -> None:
-        # Not the backend's lock, which an export in progress holds for 0.7 ms: the
+        # Not the backend's lock, which an export in progress holds throughout: the
         # caller (taking a lease) holds the owner's lock, and must never wait on one.
         with self._ahead_lock:
             if self._ahead is None:

@@ -181,7 +181,7 @@ def vmm_alloc(nbytes: int, ordinal: int) -> tuple[int, Any]:
 
 
 def vmm_export(handle: Any, ordinal: int) -> int:
-    """A POSIX fd for a VMM allocation handle (about 0.7 ms: do it once per allocation)."""
+    """A POSIX fd for a VMM allocation handle (a slow driver call: do it once per allocation)."""
     with on_device(ordinal) as driver:
         fd = _check(
             "cuMemExportToShareableHandle",

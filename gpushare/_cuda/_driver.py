@@ -20,11 +20,12 @@ Two ways into a device's primary context:
 
 from __future__ import annotations
 
-import _thread  # threading.RLock() is _thread.RLock(); importing threading costs a millisecond
+import _thread  # threading.RLock() is _thread.RLock(); importing threading would add to a child's start
+import os
 
 from .._errors import CUDAError, CUDAOutOfMemoryError, NoDeviceError
 
-TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (two milliseconds)
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (see gpushare._seams)
 if TYPE_CHECKING:
     from typing import Any
 
@@ -39,6 +40,7 @@ _success: Any = None  # CUresult.CUDA_SUCCESS and CUDA_ERROR_NOT_READY, set by _
 _not_ready: Any = None
 _queries: _Queries | None = None  # the per-handoff queries that keep the GIL, set by _load
 _count: int | None = None
+_visible_at_load: tuple[str | None] | None = None  # (CUDA_VISIBLE_DEVICES,) when _load first ran
 _primary: dict[int, Any] = {}  # ordinal -> retained primary context
 _primary_ints: dict[int, int] = {}  # ordinal -> that context as an int (what cuCtxGetCurrent compares to)
 _uuids: dict[int, bytes] = {}
@@ -50,22 +52,27 @@ _kernel_lock = _thread.allocate_lock()  # held while one is built
 _kernel_launches: dict[tuple[Any, ...], list[Any]] = {}  # copies -> that kernel's filled launches (_kernels._prepared)
 _kernel_launches_lock = _thread.allocate_lock()
 
+# Where this is raised a CUDA device was asked for (device=N, a CUDA backend, a CUDA buffer
+# received): device=None never gets here, it falls back to host memory. GPUSHARE_BACKEND
+# only changes what device=None means, so it is no fix to name.
 _NO_GPU_HINT = (
-    "Use device='cpu' (or set GPUSHARE_BACKEND=host) to share host memory instead, "
-    "or run on a machine with an NVIDIA GPU and driver"
+    "Use device='cpu' (host shared memory) instead of a CUDA device, or device=None "
+    "(a GPU when one is usable, host memory otherwise), or run where an NVIDIA GPU and driver are usable"
 )
 
 
 def _load() -> Any:
     """Import cuda.bindings and run cuInit once; raise NoDeviceError if impossible."""
-    global _bindings, _init_error, _success, _not_ready, _queries
+    global _bindings, _init_error, _success, _not_ready, _queries, _visible_at_load
     if _bindings is not None:
         return _bindings
     with _lock:
         if _bindings is not None:
             return _bindings
-        if _init_error is not None:
-            raise NoDeviceError(str(_init_error)) from _init_error
+        if _init_error is not None:  # a new error each time, with the first one's cause (not chained to it)
+            raise NoDeviceError(str(_init_error)) from _init_error.__cause__
+        if _visible_at_load is None:
+            _visible_at_load = (os.environ.get("CUDA_VISIBLE_DEVICES"),)
         try:
             from cuda.bindings import driver
         except ImportError as exc:
@@ -156,6 +163,42 @@ def device_count() -> int:
         driver = _load()
         _count = int(_check("cuDeviceGetCount", driver.cuDeviceGetCount()))
     return _count
+
+
+def present_device_count() -> int | None:
+    """An upper bound on the CUDA devices a child started now would see, read without
+    loading the driver (which would cost this process the driver's start and the fork
+    start method): the NVIDIA GPUs the kernel driver lists, at most as many as
+    ``CUDA_VISIBLE_DEVICES`` names. None where the machine may have devices the kernel
+    driver does not list (WSL, Tegra) or lists none of while its device nodes exist.
+    Raises :class:`NoDeviceError` when the machine plainly has no NVIDIA GPU."""
+    try:
+        present = len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        present = 0
+    if present == 0:
+        if any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/dxg", "/dev/nvhost-ctrl", "/dev/nvgpu")):
+            return None
+        raise NoDeviceError(
+            "this machine has no NVIDIA GPU (no NVIDIA kernel driver lists one, and there is no "
+            "/dev/nvidiactl). Use device='cpu' (host shared memory) or device=None, which means the "
+            "host where there is no GPU"
+        )
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:  # an entry CUDA cannot read hides it and the rest: never more than named
+        present = min(present, len([v for v in visible.split(",") if v.strip()]))
+    return present
+
+
+def child_device_count() -> int | None:
+    """The devices a child started now, with this process's environment, will see: this
+    process's count (loading the driver, which makes no context), unless
+    ``CUDA_VISIBLE_DEVICES`` changed since the driver loaded here; then None, for only
+    the child can tell. Raises :class:`NoDeviceError` as :func:`device_count` does."""
+    loaded = _visible_at_load
+    if loaded is not None and loaded[0] != os.environ.get("CUDA_VISIBLE_DEVICES"):
+        return None
+    return device_count()
 
 
 def _device(ordinal: int) -> Any:
@@ -335,9 +378,10 @@ def start_context(ordinal: int) -> None:
     """Begin making device ``ordinal``'s primary context on a thread of its own, and return.
 
     A worker bound to a device calls this before it unpickles its target and
-    arguments, so that the context (a few hundred milliseconds on an H100)
-    is made while those imports run (torch for a dataset, say) instead of
-    after them. :func:`make_current` then waits for it (the module lock).
+    arguments, so that the context (a large share of a GPU worker's start: the
+    `startup` benchmark scenario's "CUDA context alone" column) is made while
+    those imports run (torch for a dataset, say) instead of after them.
+    :func:`make_current` then waits for it (the module lock).
     A failure is kept for that call to raise with its own message.
     """
 

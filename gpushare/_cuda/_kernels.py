@@ -3,19 +3,20 @@
 Why a kernel: a tensor set's version holds 200-300 tensors, and its copies
 (the trainer's state dict into a version, a version into an engine's own
 tensors) are one copy per tensor. Queued one by one, or in one
-``cuMemcpyBatchAsync``, the GPU runs them one after another, and each costs a
-few microseconds more than its bytes (the copy ramps up, then drains while
-the next waits): on an H200 (2026-11-26) the 201 tensors of a 1.1B-parameter
-Llama (2.2 GB) took 1.61 ms, the same bytes in one copy 1.04 ms; the 291 of
-an 8B one (16 GB) 8.38 ms against 7.46. Here every block moves on to the
+``cuMemcpyBatchAsync``, the GPU runs them one after another, and each costs
+more than its bytes (the copy ramps up, then drains while the next waits):
+a state dict's copies take clearly longer than the same bytes in one copy,
+the more so the smaller its tensors (the `weight_sync` and `weight_sync_8b`
+benchmark scenarios' layouts; dev/performance.md, "Copy mode: what a copy
+per tensor costs the GPU"). Here every block moves on to the
 next piece of work, whichever region it belongs to, as soon as it is done.
 
 Protocol:
 
 * The CUDA C below is compiled with NVRTC (``cuda.bindings.nvrtc``, the
   library of the ``nvidia-cuda-nvrtc`` wheel or a CUDA toolkit) into a cubin
-  for the device's architecture, once per process and device (about 0.3 s),
-  and the cubin is kept on disk (``$XDG_CACHE_HOME/gpushare``, else
+  for the device's architecture, once per process and device (a compile is
+  slow next to any copy), and the cubin is kept on disk (``$XDG_CACHE_HOME/gpushare``, else
   ``~/.cache/gpushare``; keyed by the source, the architecture and NVRTC's
   version), so later processes only load it. It is loaded into the device's
   primary context, where gpushare's copies run.
@@ -52,8 +53,8 @@ if TYPE_CHECKING:
     from typing import Any
 
 REGIONS = 96  # copies per launch: the argument stays under 4 KiB
-# Measured on an H200 (2026-11-26) against 71 other choices of these four, the cache hints
-# and the order of chunks: 1.14 ms for the 1.1B layout (1.21 with 32 KiB, 256 x 8, four loads), 8.04 for the 8B.
+# The fastest of 72 variants of these four, the cache hints and the order of chunks, timed with the
+# `weight_sync` benchmark scenarios' layouts: dev/performance.md, "Copy mode: what a copy per tensor costs the GPU".
 CHUNK = 128 * 1024  # bytes a block copies before it takes the next chunk
 THREADS = 1024
 BLOCKS_PER_SM = 2
@@ -162,8 +163,8 @@ def _prepared(dsts: list[int], srcs: list[int], sizes: list[int], ordinal: int, 
     """The launches for these copies: ``(blocks, kernelParams address, what it points at)`` each,
     kept in ``_driver._kernel_launches``.
 
-    Filling the argument structs costs about 0.1 ms per 291 copies on the
-    development machine (0.25 on the H200 machine's host), and the same copies
+    Filling the argument structs is a measurable share of a copy-mode sync's
+    host time (the `weight_sync_8b` benchmark scenario's 291 copies), and the same copies
     come every step (a version's addresses and a state dict's or an engine's
     tensors'): they are kept by the copies' values, the :data:`PREPARED` used last.
     The driver copies an argument when the launch is queued, so one kept
@@ -233,7 +234,7 @@ def _kernel(ordinal: int) -> tuple[Any, int] | None:
     found = _driver._kernels.get(ordinal, False)
     if found is not False:
         return found
-    with _driver._kernel_lock:  # not the driver's own lock: a compile takes 0.3 s
+    with _driver._kernel_lock:  # not the driver's own lock: a compile is slow
         found = _driver._kernels.get(ordinal, False)
         if found is not False:
             return found

@@ -1,7 +1,7 @@
 """Streams and events: stream ordering within a process and between processes.
 
 An interprocess event (:func:`event_create_ipc`) is created once, its 64-byte
-handle opened once by each consumer (:func:`event_open`, about 0.3 ms), and
+handle opened once by each consumer (:func:`event_open`, a slow driver call), and
 then recorded and waited on at every handoff. A plain event
 (:func:`event_create`) orders work within this process. The per-handoff calls
 (:func:`event_record`, :func:`stream_wait_event`, :func:`stream_idle`,
@@ -50,9 +50,8 @@ def event_create(ordinal: int) -> Any:
 
     Orders work within this process: record it after a copy (:func:`event_record`),
     then wait for it on another stream (:func:`stream_wait_event`), ask
-    (:func:`event_done`) or block (:func:`event_synchronize`). Cheap (an
-    interprocess cuEventCreate measured 1.7 us on an H200), yet create once and
-    record often. Destroy with :func:`event_destroy`.
+    (:func:`event_done`) or block (:func:`event_synchronize`). Cheap, yet
+    create once and record often. Destroy with :func:`event_destroy`.
     To order work in another process, use :func:`event_create_ipc`.
     """
     with on_device(ordinal) as driver:
@@ -78,7 +77,7 @@ def event_record(event: Any, ordinal: int, stream: int = 0) -> None:
 
 
 def event_open(handle: bytes, ordinal: int) -> Any:
-    """Open another process's interprocess event (about 0.3 ms: cache the result)."""
+    """Open another process's interprocess event (slow next to a handoff: cache the result)."""
     import ctypes
 
     with on_device(ordinal) as driver:
@@ -108,7 +107,7 @@ def event_synchronize(event: Any, ordinal: int) -> None:
 
 def stream_idle(ordinal: int, stream: int = 0) -> bool:
     """Whether every piece of work queued on ``stream`` (0: the legacy default stream)
-    has finished (``cuStreamQuery``; about a microsecond, never blocks)."""
+    has finished (``cuStreamQuery``; cheap, never blocks)."""
     driver = _driver._bindings  # _driver's lazily set state: one attribute lookup, never a copy
     if driver is None:
         driver = _load()
@@ -141,7 +140,8 @@ def _finished(driver: Any, ordinal: int, name: str, query: Any, handle: Any) -> 
 
     The common case (the primary context already current on this thread) is
     checked inline: one ``cuCtxGetCurrent``, the query, and two comparisons with
-    results cached at load, about half of what going through :func:`_enter` cost."""
+    results cached at load, cheaper than going through :func:`_enter` (dev/performance.md,
+    "Cheaper stream and event queries")."""
     key = _driver._primary_ints.get(ordinal)
     if key is not None:
         err, current = driver.cuCtxGetCurrent()

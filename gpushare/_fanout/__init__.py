@@ -242,7 +242,7 @@ the copies: no host synchronisation on the hot path. The exception is a
 reader on another GPU than the set's: its ``copy_to`` waits for the
 version's event and for its copies (one ``cuMemcpyAsync`` each) on the host,
 since queuing the version's event on a stream of the other GPU crashed the
-driver (``cuStreamWaitEvent``, two H200s).
+driver (``cuStreamWaitEvent``, in the two-GPU tests).
 
 Ending
 ------

@@ -564,7 +564,7 @@ class Snapshot(Mapping[str, TensorView]):
         # A version on another GPU than the targets': its ready event is waited on here, in
         # its own GPU's context, and the copies before returning. Queuing that wait on the
         # targets' GPU instead (cuStreamWaitEvent of the version's event on our stream there)
-        # crashed the engine (SIGSEGV; two H200s, driver 580, 2026-11-26).
+        # crashed the engine (SIGSEGV in the driver; dev/performance.md, "Weight sync", cross-GPU copy_to).
         peer = not host and memory.device != ordinal
         if peer:
             memory.ready()  # and no longer pending: nothing left to order the copies after

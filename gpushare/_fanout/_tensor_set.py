@@ -185,7 +185,7 @@ class TensorSet:
     256-byte aligned offset (``layout``); ``versions`` of them (default 2).
     The trainer never writes a version an engine holds; an engine holds a
     version from ``latest()``/``wait()`` until it releases the snapshot. See
-    :mod:`gpushare._fanout` for the protocol and docs/weight-sync.md.
+    :mod:`gpushare._fanout` for the protocol and docs/guides/weight-sync.md.
     """
 
     def __init__(self, core: SetProducer) -> None:

@@ -21,7 +21,8 @@ SEND_TIMEOUT = 30.0
 SPIN_DEFAULT = 0.005
 #: ``spin="auto"`` (the default): the most an end spins before it sleeps, and it spins
 #: at all only when its previous wait was shorter than this. About what it costs to
-#: wake a process that sleeps (40-62 us on the GPU machines we measured): a wait then
+#: wake a process that sleeps (the `ring` and `ring_roundtrip` benchmark scenarios run
+#: with and without spinning): a wait then
 #: costs at most about twice what sleeping at once would, and items that come further
 #: apart than this cost no spinning (see SpinPolicy).
 SPIN_AUTO = 50e-6

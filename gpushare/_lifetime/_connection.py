@@ -49,6 +49,8 @@ class OwnerConnection:
     ) -> None:
         self.address = address
         self.gone: str | None = None  # why the owner is gone, once it is
+        self.shut_down = False  # it is gone because its Manager was shut down (its process may live on)
+        self.closed_here = False  # it is gone because this process closed the connection
         self.refused: str | None = None  # the owner said the descriptor was not its own
         self.failed: dict[int, str] = {}  # lease id -> why the owner refused an asynchronous claim
         self._on_unmap = on_unmap
@@ -99,7 +101,7 @@ class OwnerConnection:
                 reader.join(timeout=1.0)
             if self.refused is not None:
                 raise DescriptorError(self.refused) from exc
-            raise OwnerGoneError(f"the owner of this buffer is gone ({self.gone})") from exc
+            raise self.gone_error() from exc
 
     def send_quietly(self, message: tuple[Any, ...]) -> None:
         """Send if the owner is still there; a gone owner is no error here (it learns nothing new)."""
@@ -118,7 +120,7 @@ class OwnerConnection:
         if self.refused is not None:
             raise DescriptorError(self.refused)
         if self.gone is not None:
-            raise OwnerGoneError(f"the owner of this buffer is gone ({self.gone})")
+            raise self.gone_error()
         req = next(self._reqs)
         waiter: _Waiter = [threading.Event(), None, None, req]
         with self._wait_lock:
@@ -145,7 +147,7 @@ class OwnerConnection:
             raise DescriptorError(waiter[2])
         if self.refused is not None:
             raise DescriptorError(self.refused)
-        raise OwnerGoneError(f"the owner of this buffer is gone ({self.gone})")
+        raise self.gone_error()
 
     # -- receiving ------------------------------------------------------------------
     def _read_loop(self) -> None:
@@ -173,6 +175,7 @@ class OwnerConnection:
                 elif kind == "claim_failed":
                     self.failed[message[1]] = message[2]
                 elif kind == "bye":
+                    self.shut_down = True
                     self.mark_gone(message[1])
                     self._on_gone()
                     return
@@ -184,6 +187,26 @@ class OwnerConnection:
             self.mark_gone("its process exited or closed the connection")
             self._on_gone()
 
+    def gone_error(self) -> OwnerGoneError:
+        """The error for a use of this owner's memory once it is gone, saying which way it went:
+        its Manager was shut down (its process may well be running), this process closed the
+        connection, or the owner's process exited or stopped answering."""
+        if self.shut_down:
+            return OwnerGoneError(
+                "the Manager that owns this buffer was shut down: it shares no memory any more, and this "
+                "buffer's may be freed (the process that made the Manager may still be running). Keep the "
+                "Manager open (inside its 'with' block, before shutdown()) until workers are done with its buffers"
+            )
+        if self.closed_here:
+            return OwnerGoneError(
+                f"this process closed its connection to the owner of this buffer ({self.gone}); its memory "
+                "may no longer be used here"
+            )
+        return OwnerGoneError(
+            f"the process that owns this buffer is gone ({self.gone}); its memory may be freed. Keep the "
+            "owner's process and its Manager running until workers are done with its buffers"
+        )
+
     def mark_gone(self, reason: str) -> None:
         if self.gone is None:
             self.gone = reason
@@ -193,7 +216,9 @@ class OwnerConnection:
 
     def close(self) -> None:
         """Close the connection and wait for the reader thread (unless it is the caller)."""
-        self.mark_gone("this process closed its connection to the owner (Manager shut down, or exiting)")
+        if self.gone is None:
+            self.closed_here = True
+        self.mark_gone("this process's Manager shut down, or it is exiting")
         try:
             # Shut down before closing: the reader thread is blocked reading this socket,
             # and a close alone would neither wake it nor send EOF.

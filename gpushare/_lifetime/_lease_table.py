@@ -84,8 +84,9 @@ class LeaseTable:
 
         A streaming consumer leaves thousands of records between two reads, two
         per handoff, so they are applied inline here (what :meth:`claim_locked`
-        and :meth:`release_locked` do, less their per-call overhead: 0.97 ->
-        0.41 us a record, see docs/performance.md); allocations whose last lease
+        and :meth:`release_locked` do, less their per-call overhead, which was
+        most of a record's cost: the `throughput` benchmark scenario streams such
+        records; figures in dev/performance.md); allocations whose last lease
         went are offered to the pool, and waiters woken, once per read.
         """
         assert peer.journal is not None

@@ -68,10 +68,7 @@ class _LeaseSource:
         if refused is not None:
             raise DescriptorError(f"the owner refused this buffer's lease: {refused}")
         if connection.gone is not None:
-            raise OwnerGoneError(
-                f"the process that owns this buffer is gone ({connection.gone}); its memory may be freed. "
-                "Keep the owner's Manager open until workers are done with its buffers"
-            )
+            raise connection.gone_error()
 
     @property
     def authkey(self) -> bytes:
@@ -168,7 +165,7 @@ class Link:
 
         The owner answers the claim while the memory is being mapped: the open is
         the driver's slow part, and the round trip to the owner costs about as much
-        (0.15-0.2 ms each on an H100 host). The mapping is used only once the owner
+        (both are in the `first_share` benchmark scenario). The mapping is used only once the owner
         has accepted the claim, and from then on it counts this process among the
         allocation's mappers, so it frees nothing before this process unmaps. Until
         then a valid lease is what keeps the allocation from being freed or reused:

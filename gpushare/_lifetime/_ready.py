@@ -4,11 +4,12 @@ A sharer (the owner, or a process re-sharing a buffer it received) records
 one interprocess event on its legacy default stream -- where torch's and
 CuPy's default work runs -- each time it pickles a CUDA buffer, and the
 descriptor carries the event's 64-byte handle; the receiver orders its use
-after that event. Creating and recording cost about 2 us, opening one in
-another process about a third of a millisecond, so each process keeps
-:data:`READY_EVENTS` per device and records them in turn, and a receiver
-opens each handle once: after the first few handoffs even a new allocation
-arrives with no event to open. A receiver that waits late may find its
+after that event. Creating and recording one is cheap; opening one in
+another process costs far more (more than a steady handoff), so each
+process keeps :data:`READY_EVENTS` per device and records them in turn,
+and a receiver opens each handle once: after the first few handoffs even
+a new allocation arrives with no event to open (the `handoff_fresh`
+benchmark scenario hands a new allocation every time). A receiver that waits late may find its
 event recorded again by a later share: it then waits for more of the
 sharer's work, never for less. Nothing is recorded when the stream is idle
 (every piece of work queued before is finished): the descriptor then
