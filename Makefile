@@ -1,4 +1,5 @@
-# Every target makes and uses a local virtualenv (.venv) by itself.
+# Every target makes and uses a local virtualenv (.venv) by itself; each installs only what it
+# needs (`make demo`: gpushare alone; `make test`: the test tools; `make docs`: MkDocs).
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -8,24 +9,44 @@ EXTRAS ?= dev
 # a GPU (CI does; elsewhere that version may be a large CUDA build: leave TORCH empty).
 TORCH  ?=
 comma  := ,
-STAMP  := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))$(if $(TORCH),-torch-$(TORCH))
+# The Python that makes .venv, as "3.11"; a .venv made by another one is remade (see $(BASE)).
+PYVER  := $(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null)
+BASE   := $(VENV)/.base-$(PYVER)
+STAMP  := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))$(if $(TORCH),-torch-$(TORCH))-$(PYVER)
+DOCS_STAMP := $(VENV)/.installed-docs-$(PYVER)
 
-.PHONY: demo test test-gpu bench lint format typecheck info dist wheel-check clean
+.PHONY: demo test test-gpu bench lint format typecheck info docs docs-serve dist wheel-check clean
 
-$(STAMP): pyproject.toml
+# .venv with gpushare alone. Python 3.10 or newer is checked first; a .venv left by another
+# Python (or by a failed first run) is removed and made again, and says so.
+$(BASE): pyproject.toml
+	@test -n "$(PYVER)" || { echo "make: '$(PYTHON)' does not run; install Python >= 3.10 or pass PYTHON=python3.X" >&2; exit 1; }
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10))' || { echo "make: gpushare needs Python >= 3.10, and '$(PYTHON)' is $(PYVER); pass PYTHON=python3.X (3.10 or newer)" >&2; exit 1; }
+	@$(PYTHON) -c 'import venv, ensurepip' 2>/dev/null || { echo "make: '$(PYTHON)' has no venv/ensurepip module; install it (Debian/Ubuntu: apt install python$(PYVER)-venv)" >&2; exit 1; }
+	@if [ -e $(VENV) ] && [ "$$($(PY) -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null)" != "$(PYVER)" ]; then \
+		echo "make: $(VENV) was made by another Python (or is broken); removing it and making it again with $(PYTHON) $(PYVER)"; \
+		rm -rf $(VENV); fi
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e .
+	touch $(BASE)
+
+$(STAMP): $(BASE)
 	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
 	$(if $(filter cpu,$(TORCH)),$(PY) -m pip install -q 'torch==2.13.0')
 	touch $(STAMP)
 
-demo: $(STAMP)
+$(DOCS_STAMP): $(BASE)
+	$(PY) -m pip install -q -e '.[docs]'
+	touch $(DOCS_STAMP)
+
+demo: $(BASE)
 	$(PY) examples/fanout.py
 
 test: $(STAMP)
 	$(PY) -m pytest tests
 
-# CPython's own multiprocessing tests against gpushare (docs/compat.md); skips, exit 0,
+# CPython's own multiprocessing tests against gpushare (docs/multiprocessing.md); skips, exit 0,
 # where this Python has no `test` package.
 .PHONY: compat
 compat: $(STAMP)
@@ -36,18 +57,18 @@ test-gpu: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m pip install -q 'matplotlib>=3.7' || echo "matplotlib not installed: the benchmark skips its plot"
-	$(PY) -m gpushare.bench
+	$(PY) -m bench
 
-info: $(STAMP)
+info: $(BASE)
 	$(PY) -m gpushare info
 
 lint: $(STAMP)
-	$(PY) -m ruff check gpushare tests examples
-	$(PY) -m ruff format --check gpushare tests examples
+	$(PY) -m ruff check gpushare bench tests examples
+	$(PY) -m ruff format --check gpushare bench tests examples
 
 format: $(STAMP)
-	$(PY) -m ruff format gpushare tests examples
-	$(PY) -m ruff check --fix gpushare tests examples
+	$(PY) -m ruff format gpushare bench tests examples
+	$(PY) -m ruff check --fix gpushare bench tests examples
 
 typecheck: $(STAMP)
 	$(PY) -m mypy
@@ -62,5 +83,13 @@ dist: $(STAMP)
 wheel-check: dist
 	PYTHON=$(PYTHON) .ci/wheel-check dist
 
+# The documentation site (MkDocs), in site/; --strict: a broken link or an API name that does not
+# resolve fails the build.
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
+docs-serve: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve
+
 clean:
-	rm -rf $(VENV) dist build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) dist build site *.egg-info .pytest_cache .mypy_cache .ruff_cache

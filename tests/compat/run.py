@@ -19,7 +19,7 @@ How a verdict is reached, per type:
    may fail once under load) and once against multiprocessing itself.
 3. A test is a *difference* when it did not pass against gpushare, twice,
    while it passes against the stdlib. A difference named, with its reason,
-   in the "Intended differences" table of ``docs/compat.md`` is reported
+   in the "Intended differences" table of ``docs/multiprocessing.md`` is reported
    and allowed; any other fails the check (exit 1). Tests that fail or skip
    with the stdlib too are not gpushare's differences: they are listed.
 
@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-COMPAT_DOC = os.path.join(ROOT, "docs", "compat.md")
+COMPAT_DOC = os.path.join(ROOT, "docs", "multiprocessing.md")
 TYPES = ("processes", "manager")
 FULL_RUN_TIMEOUT = float(os.environ.get("GPUSHARE_COMPAT_TIMEOUT", "1500"))  # seconds, one type's whole suite
 RERUN_TIMEOUT = 600.0  # seconds, the re-runs of one type's tests that did not pass
@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         for label, items in (
-            ("intended difference (docs/compat.md)", verdict.intended),
+            ("intended difference (docs/multiprocessing.md)", verdict.intended),
             ("passed on the re-run", verdict.flaky),
             ("does not pass with the stdlib either", verdict.stdlib_too),
         ):
@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         total.intended += verdict.intended
     print(
         f"compat: {time.monotonic() - began:.0f} s; {len(total.intended)} intended difference(s) "
-        f"(docs/compat.md); {len(total.failed)} unintended",
+        f"(docs/multiprocessing.md); {len(total.failed)} unintended",
         flush=True,
     )
     print(f"{total.passed} passed, {len(total.failed)} failed, {total.skipped} skipped")
