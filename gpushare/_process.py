@@ -442,7 +442,13 @@ def stopped_by_main_guard() -> Any:
     """A child this process started (spawn or forkserver) that exited with MAIN_GUARD_EXIT,
     or None. Asking reaps the children that exited, as ``exitcode`` does."""
     for child in list(_spawned):
-        if child._parent_pid == os.getpid() and child.exitcode == MAIN_GUARD_EXIT:  # type: ignore[attr-defined]
+        if child._parent_pid != os.getpid():  # type: ignore[attr-defined]
+            continue
+        try:
+            stopped = child.exitcode == MAIN_GUARD_EXIT
+        except ValueError:  # close()d: its exit code is gone, and with it any guard error
+            continue
+        if stopped:
             return child
     return None
 

@@ -34,6 +34,7 @@ import io
 import multiprocessing
 import os
 import pickle
+import queue
 import signal
 import subprocess
 import sys
@@ -52,6 +53,7 @@ from workers import w_touch_when_told
 
 import gpushare as mp
 from gpushare import _cuda
+from gpushare._queues import WATCH_INTERVAL
 
 T = 60  # seconds any single wait in a worker or for a worker may take
 N = 1024
@@ -545,3 +547,14 @@ def test_the_fork_refusal_names_a_call_that_works(monkeypatch) -> None:
     monkeypatch.setattr(_process, "cuda_initialized", lambda: True)
     with pytest.raises(mp.StartMethodError, match=r"set_start_method\('spawn', force=True\)"):
         mp.get_context("fork").Process(target=print).start()
+
+
+def test_a_closed_child_does_not_break_a_queue_get(reap) -> None:
+    """A process close()d after it ended is skipped when a get() looks for a guard failure."""
+    p = mp.Process(target=print, args=("ran",))
+    p.start()
+    p.join(30)
+    p.close()
+    q = mp.Queue()
+    with pytest.raises(queue.Empty):
+        q.get(timeout=3 * WATCH_INTERVAL)

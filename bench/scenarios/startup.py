@@ -185,8 +185,10 @@ class Firsts:
 
 
 def checkout_env() -> dict[str, str]:
-    """The run's environment with the checkout this package was imported from first on PYTHONPATH."""
-    root = str(Path(__file__).resolve().parents[3])
+    """The run's environment with the folder gpushare was imported from first on PYTHONPATH."""
+    import gpushare
+
+    root = str(Path(gpushare.__file__).resolve().parents[1])
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     return env
