@@ -63,12 +63,12 @@ info: $(BASE)
 	$(PY) -m gpushare info
 
 lint: $(STAMP)
-	$(PY) -m ruff check gpushare bench tests examples
-	$(PY) -m ruff format --check gpushare bench tests examples
+	$(PY) -m ruff check gpushare bench tools tests examples
+	$(PY) -m ruff format --check gpushare bench tools tests examples
 
 format: $(STAMP)
-	$(PY) -m ruff format gpushare bench tests examples
-	$(PY) -m ruff check --fix gpushare bench tests examples
+	$(PY) -m ruff format gpushare bench tools tests examples
+	$(PY) -m ruff check --fix gpushare bench tools tests examples
 
 typecheck: $(STAMP)
 	$(PY) -m mypy

@@ -121,6 +121,16 @@ _concrete: dict[str, Any] = {"spawn": SpawnContext(), "forkserver": ForkServerCo
 class Process(GpuProcessMixin):
     """A gpushare worker: ``multiprocessing.Process`` plus ``device=``.
 
+    ``device``: the CUDA device the child works on (an int, ``"cuda:N"``, a
+    ``torch.device``), made current in the child before the target runs (in torch and
+    CuPy too, where loaded), or ``"cpu"`` for a child whose ``device=None`` means host
+    memory. A CUDA device is checked in ``start()``, which raises
+    :class:`~gpushare.NoDeviceError` in the parent when the child would not have it;
+    None leaves the child's device alone. The target and arguments may be lambdas and
+    closures (they travel with cloudpickle when the standard pickle cannot carry
+    them). ``start()`` refuses the fork start method once CUDA is initialised in the
+    parent; at exit the child releases every buffer it still holds.
+
     Uses the start method of gpushare's default context (spawn unless
     :func:`gpushare.set_start_method` says otherwise).
     """
@@ -145,6 +155,7 @@ class DefaultContext(_ManagerMixin, _mpctx.DefaultContext):
     _default_context: Any
 
     def get_context(self, method: str | None = None) -> Any:
+        """gpushare's context for ``method`` ("spawn", "forkserver", "fork"), or the default."""
         if method is None:
             if self._actual_context is None:
                 self._actual_context = self._default_context
@@ -164,6 +175,10 @@ _default_context = DefaultContext(_concrete["spawn"])
 
 
 def get_context(method: str | None = None) -> Any:
+    """gpushare's context for ``method`` ("spawn", "forkserver" or "fork"; None: the default,
+    spawn unless ``gpushare.set_start_method`` changed it). Like multiprocessing's, with
+    gpushare's Process, Manager and queues; ``gpushare.set_start_method`` never changes
+    plain multiprocessing's default, nor the other way round."""
     return _default_context.get_context(method)
 
 
