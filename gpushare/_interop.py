@@ -120,9 +120,23 @@ _live_lock = threading.Lock()
 
 
 @_DELETER
-def _deleter(managed: Any) -> None:
-    with _live_lock:
-        _live.pop(ctypes.addressof(managed.contents), None)
+def _deleter(managed: Any, live: Any = _live, lock: Any = _live_lock, addressof: Any = ctypes.addressof) -> None:
+    # What it uses is bound here, not looked up in this module, which may be torn down by then.
+    with lock:
+        live.pop(addressof(managed.contents), None)
+
+
+# A consumer's tensor may be freed during interpreter teardown, after this module's globals
+# are cleared (a torch tensor kept in a global of __main__, which is cleared last): its
+# deleter must still find its struct and its callback. So the table of structs and both
+# callbacks get one reference that is never given back, and outlive the module.
+def _immortal(obj: object) -> None:
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+
+
+_immortal(_live)
+_immortal(_live_lock)
+_immortal(_deleter)
 
 
 _CAPSULE_DESTRUCTOR = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
@@ -140,13 +154,24 @@ _capsule_get_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctype
 
 
 @_CAPSULE_DESTRUCTOR
-def _capsule_destructor(capsule: int) -> None:
+def _capsule_destructor(
+    capsule: int,
+    is_valid: Any = _capsule_is_valid,
+    get_pointer: Any = _capsule_get_pointer,
+    live: Any = _live,
+    lock: Any = _live_lock,
+) -> None:
     # A capsule never consumed keeps its name "dltensor": free it ourselves.
     # A consumed one was renamed "used_dltensor" and its consumer calls the deleter.
-    if _capsule_is_valid(capsule, b"dltensor"):
-        address = _capsule_get_pointer(capsule, b"dltensor")
-        with _live_lock:
-            _live.pop(address, None)
+    if is_valid(capsule, b"dltensor"):
+        address = get_pointer(capsule, b"dltensor")
+        with lock:
+            live.pop(address, None)
+
+
+_immortal(_capsule_destructor)
+_immortal(_capsule_is_valid)
+_immortal(_capsule_get_pointer)
 
 
 def to_dlpack(

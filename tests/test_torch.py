@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
-from conftest import all_gone, no_leases, wait_until
+from conftest import all_gone, no_leases, subprocess_env, wait_until
 
 torch = pytest.importorskip("torch")
 
@@ -337,3 +339,41 @@ def test_gpu_trainer_stopping_early_stops_the_workers(server: mp.BufferManager) 
     assert torch.equal(first[1].cpu(), torch.arange(4))  # still valid after the workers left
     del first
     wait_until(lambda: no_leases(server), timeout=10)
+
+
+# A torch tensor viewing gpushare memory, kept in a global of __main__, is freed during the
+# interpreter's teardown, after gpushare's own modules are cleared: its DLPack deleter must
+# still work then (it crashed with SIGSEGV or SIGILL when the exporter's structs went first).
+_GLOBAL_TENSORS = """
+import torch
+import gpushare as mp
+from gpushare.torch import DataLoader
+
+
+class Ramp(torch.utils.data.Dataset):
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        return torch.full((8,), float(i), device="cuda")
+
+
+if __name__ == "__main__":  # still module level: what it binds are globals of __main__
+    manager = mp.Manager()
+    buf = manager.full((1024,), 1.5, "float32", device=0)
+    view = torch.from_dlpack(buf)  # a global that outlives gpushare's modules
+    for batch in DataLoader(Ramp(), batch_size=4, num_workers=2, device="cuda:0"):
+        pass  # `batch`, the last batch, stays a global too
+    print("sum", float(view.sum()), float(batch.sum()))
+"""
+
+
+@pytest.mark.gpu
+def test_tensors_left_in_globals_of_main_are_freed_at_exit_without_a_crash(tmp_path) -> None:
+    script = tmp_path / "globals.py"
+    script.write_text(_GLOBAL_TENSORS)
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=180, env=subprocess_env()
+    )
+    assert out.returncode == 0, (out.returncode, out.stdout, out.stderr[-3000:])
+    assert "sum 1536.0 432.0" in out.stdout, out.stdout
