@@ -70,6 +70,7 @@ if TYPE_CHECKING:
     # The lazy names below, for type checkers and the API reference (docs/reference/).
     from ._batch import SlotArray as SlotArray
     from ._batch import SlotWriter as SlotWriter
+    from ._buffer import Buffer as Buffer
     from ._context import Process as Process
     from ._fanout import Ring as Ring
     from ._fanout import Snapshot as Snapshot
@@ -78,7 +79,6 @@ if TYPE_CHECKING:
     from ._loader_workers import prepare_loaders as prepare_loaders
     from ._manager import GRANULARITY as GRANULARITY
     from ._manager import BufferManager as BufferManager
-    from ._reduction import Buffer as Buffer
 
 
 def _ray_form(buf: Any) -> tuple[Any, tuple[Any, ...]]:
@@ -109,7 +109,7 @@ _LEFT_OUT = frozenset(
 
 #: Public names whose modules load on first use: name -> (module, attribute).
 _LAZY = {
-    "Buffer": ("._reduction", "Buffer"),  # _reduction: the Buffer with its reducers registered
+    "Buffer": ("._buffer", "Buffer"),
     "BufferManager": ("._manager", "BufferManager"),
     "GRANULARITY": ("._manager", "GRANULARITY"),
     "Ring": ("._fanout", "Ring"),

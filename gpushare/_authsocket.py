@@ -1,6 +1,6 @@
 """Authenticated Unix-socket services: the one transport of gpushare's control plane.
 
-Both the lifetime service (``_lifetime.Owner``) and the fan-out ring
+Both the lifetime service (``_lifetime._owner.Owner``) and the fan-out ring
 (``_fanout``) listen on an AF_UNIX socket in a private temporary directory
 (mode 0600), accept in a thread, and hand each connection to a handler
 thread. Every connection starts with multiprocessing's HMAC challenge in

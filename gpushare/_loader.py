@@ -3,7 +3,7 @@
 Who owns what
 -------------
 The trainer (the process iterating) owns the memory: the loader makes an
-:class:`~gpushare._lifetime.Owner` in the trainer's own process (or
+:class:`~gpushare._lifetime._owner.Owner` in the trainer's own process (or
 allocates from ``manager=``, a started Manager of either owner mode) and no
 server process. Workers allocate their rings' slots from it by ``alloc``
 requests (:class:`~gpushare._manager.RemoteAllocator`), so a worker that dies
@@ -178,7 +178,7 @@ class _Resources:
 
         self.owner: Any = None
         if loader.manager is None:
-            from ._lifetime import Owner
+            from ._lifetime._owner import Owner
             from ._manager import RemoteAllocator
 
             self.owner = Owner(authkey=bytes(current_process().authkey))

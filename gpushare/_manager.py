@@ -4,7 +4,7 @@
 :mod:`multiprocessing` (they are served by the usual manager server
 process). Buffers are different. By default (``owner="process"``) they are
 allocated *in the process that created the Manager*, which owns them, and
-their lifetime is run by the :class:`~gpushare._lifetime.Owner` service in
+their lifetime is run by the :class:`~gpushare._lifetime._owner.Owner` service in
 that process (see that module for the lease protocol), made with the first
 buffer. With ``owner="server"`` the Owner lives in the manager's server
 process instead and every Buffer a client holds is a lease on server memory,
@@ -62,11 +62,11 @@ def round_size(nbytes: int) -> int:
 
 def _allocation_request(shape: Any, dtype: Any, device: Any, backend: str | None) -> tuple[Any, ...]:
     """Check a request and resolve where it goes: (backend, ordinal, dims, dtype, rounded size, label)."""
-    from . import _backends, _reduction  # _reduction registers how the Buffer about to be made pickles
+    from . import _backends
     from ._buffer import check_dtype, check_shape
+    from ._reduction import register_reducers
 
-    del _reduction
-
+    register_reducers()  # how the Buffer about to be made pickles (once per process)
     dims = check_shape(shape)
     dt = check_dtype(dtype)
     nbytes = math.prod(dims) * dt.itemsize
@@ -157,7 +157,7 @@ class _Owning:
             with self.lock:
                 owner = self.owner
                 if owner is None:
-                    from ._lifetime import Owner
+                    from ._lifetime._owner import Owner
 
                     owner = self.owner = Owner(authkey=bytes(current_process().authkey), **self.options)
         return owner

@@ -23,7 +23,7 @@ one keep it until they unmap), and ends the server:
 
 Server-owned buffers (``Manager(owner="server")``)
 --------------------------------------------------
-The memory belongs to an :class:`~gpushare._lifetime.Owner` that lives in
+The memory belongs to an :class:`~gpushare._lifetime._owner.Owner` that lives in
 the server process, made on first use (:func:`owner_info`: a process-owned
 Manager's server never loads the lifetime service at all). A client learns
 the owner's address and token with one manager call, then talks to it like
@@ -124,7 +124,7 @@ def owner_info() -> tuple[str, bytes]:
     global _owner
     with _owner_lock:
         if _owner is None:
-            from ._lifetime import Owner
+            from ._lifetime._owner import Owner
 
             _owner = Owner(authkey=bytes(current_process().authkey), **_options)
         return (_owner.address, _owner.token)

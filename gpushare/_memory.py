@@ -7,14 +7,13 @@ when the last goes, the Memory is dropped, which gives the reference back throug
 *source*). It knows the allocation's address *in this process*, the backend that maps
 it, and, for CUDA memory that arrived from another process, the producer's ready event.
 It sits below both the buffers and the lifetime service, so neither imports the other's
-layer the wrong way.
+layer the wrong way. It imports nothing of gpushare: waiting on a ready event goes
+through the Memory's backend (a CUDA backend), so host memory never loads the CUDA layer.
 """
 
 from __future__ import annotations
 
 from typing import Any, Protocol
-
-from . import _cuda
 
 __all__ = ["Memory", "Source"]
 
@@ -118,14 +117,14 @@ class Memory:
         """Block until the producer's work queued before it shared this buffer is done."""
         if self.pending:
             assert self.device is not None  # events exist only for CUDA memory
-            _cuda.event_synchronize(self.event, self.device)
+            self.backend.event_synchronize(self.event, self.device)
             self.pending = False
 
     def order_stream(self, stream: int) -> None:
         """Make ``stream`` (an int handle in this process) wait for the producer's work."""
         if self.pending:
             assert self.device is not None
-            _cuda.stream_wait_event(stream, self.event, self.device)
+            self.backend.stream_wait_event(stream, self.event, self.device)
 
     def acquire(self) -> None:
         """Count one more Buffer. Made while another Buffer still holds a count (the

@@ -12,7 +12,7 @@ What ``put()`` hands the feeder thread, and what travels:
 * an immutable plain value (None, a number, a string, bytes, or a small
   tuple of those) cannot change before the feeder pickles it: it goes as it
   is, and the feeder pickles it, as multiprocessing's does;
-* a Buffer: its wire form (:func:`gpushare._reduction.queue_pickle`, the
+* a Buffer: its wire form (:func:`gpushare._sharing.queue_pickle`, the
   same pickle a Pipe or a Process argument carries), built in ``put()``;
 * anything else: pickled in ``put()`` as a Process's arguments are
   (:func:`gpushare._process.dumps`): by multiprocessing's ForkingPickler,
@@ -70,15 +70,16 @@ import math
 import os
 import queue
 import select
-import sys
 import threading
 import time
 import weakref
 from multiprocessing import queues, util
 from multiprocessing.reduction import ForkingPickler
 
+from ._buffer import Buffer
 from ._errors import OwnerGoneError
 from ._process import dumps, main_guard_error, stopped_by_main_guard
+from ._sharing import queue_pickle
 
 # typing is not imported at run time: it is a measurable share of a child's start (see gpushare._seams).
 TYPE_CHECKING = False
@@ -108,28 +109,13 @@ class _Pickled:
         self.data = data
 
 
-class _NoBufferYet:
-    """Stands for the Buffer class until gpushare._buffer is loaded: before that, no Buffer exists."""
-
-
-_Buffer: type = _NoBufferYet  # gpushare._buffer.Buffer, found once it is loaded (not imported here:
-_queue_pickle: Any = None  # a child that only passes plain items never loads NumPy or the CUDA layer)
-
-
 def _capture(obj: Any) -> Any:
     """What put() hands to the feeder thread in place of ``obj``."""
-    global _Buffer, _queue_pickle
     kind = type(obj)
-    if kind is _Buffer:  # first: the item a gpushare queue is for
-        return _Pickled(_queue_pickle(obj))
+    if kind is Buffer:  # first: the item a gpushare queue is for
+        return _Pickled(queue_pickle(obj))
     if _settled(obj):
         return obj
-    if _Buffer is _NoBufferYet and "gpushare._buffer" in sys.modules:
-        from ._buffer import Buffer
-        from ._reduction import queue_pickle
-
-        _Buffer, _queue_pickle = Buffer, queue_pickle
-        return _capture(obj)
     return _Pickled(dumps(obj, None))
 
 

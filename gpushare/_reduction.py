@@ -11,11 +11,17 @@ live driver object is ever pickled.
 How each path produces and reads that form:
 
 * ForkingPickler (Pipes, Process arguments, multiprocessing's own queues)
-  and ``copyreg`` (``pickle``, cloudpickle, ``copy``): reducers registered
-  here, at import. They are registered rather than named by ``Buffer.__reduce__``
-  so that :mod:`gpushare._buffer` does not import this module, which imports it.
+  and ``copyreg`` (``pickle``, cloudpickle, ``copy``): the reducers here,
+  installed by :func:`register_reducers`, which the places a process's
+  Buffers come from call before they make one: the Manager's allocations
+  (``gpushare._manager``) and :func:`attach_buffer` here (every buffer that
+  arrives). They are registered rather than named by ``Buffer.__reduce__``
+  so that :mod:`gpushare._buffer` does not import this module, which imports
+  it, and so that ForkingPickler and plain pickle can differ (Ray's form).
 * gpushare's Queue builds the same pickle itself in ``put()``
-  (:func:`queue_pickle`: a fixed head, the descriptor, a fixed tail) and its
+  (:func:`~gpushare._sharing.queue_pickle`: a fixed head, the descriptor, a
+  fixed tail; it imports :mod:`gpushare._sharing`, the sending side, and not
+  this module, which loads the lifetime service's consumer side) and its
   ``get()`` reads the descriptor straight out of those bytes
   (:func:`from_queue_pickle`) instead of running the unpickler, which would
   look ``rebuild_buffer`` up by name -- an import on every load, which cost
@@ -28,31 +34,25 @@ How each path produces and reads that form:
   and its lease stays unclaimed while readers lease through it. A descriptor
   read once by one process needs none of that.
 
-A pickling costs a lease and a ready event, never a new description: the
-sharer keeps one descriptor template per buffer view on the Memory
-(:class:`~gpushare._descriptor.Template`) and fills in only the lease id and
-the event. Each pickling still takes its own lease (each receiver holds one)
-and records its own ready event: gpushare cannot know whether the producer
-queued more work on the stream since the last put, and a write between two
-puts must be ordered before the second receiver reads.
-
-Pickling a *released* buffer raises :class:`~gpushare._errors.BufferReleasedError`
-at the sender, where the mistake is, instead of sending something the
-receiver cannot use.
+What a pickling costs (a lease and a ready event, never a new description)
+is :mod:`gpushare._sharing`'s: :func:`share_bytes` and :func:`descriptor_of`
+live there. Pickling a *released* buffer raises
+:class:`~gpushare._errors.BufferReleasedError` at the sender.
 """
 
 from __future__ import annotations
 
 import copyreg
-import struct
 import sys
-from collections.abc import Callable
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from . import _seams
-from ._buffer import Buffer, byte_offset, memory_of
+from ._buffer import Buffer
 from ._descriptor import Descriptor, _dtype
+from ._lifetime import attach
+from ._sharing import QUEUE_DATA_AT, QUEUE_HEAD, QUEUE_LENGTH, QUEUE_TAIL, descriptor_of, share_bytes
+from ._sharing import queue_pickle as queue_pickle
 
 __all__ = [
     "attach_buffer",
@@ -62,51 +62,9 @@ __all__ = [
     "rebuild_buffer",
     "reduce_buffer",
     "reduce_pickled",
+    "register_reducers",
     "share_bytes",
 ]
-
-
-def descriptor_of(buf: Buffer) -> Descriptor:
-    """Take a lease on ``buf`` and describe it (one call per receiver)."""
-    buf._check()
-    memory = memory_of(buf)
-    lease_id, event, handle = memory.source.share(memory)
-    return _describe(buf, memory, lease_id, event, handle)
-
-
-def _describe(buf: Buffer, memory: Any, lease_id: int, event: bytes, handle: bytes) -> Descriptor:
-    return Descriptor(
-        backend=memory.backend.name,
-        owner_token=memory.owner_token,
-        address=memory.address,
-        alloc_id=memory.alloc_id,
-        generation=memory.generation,
-        lease_id=lease_id,
-        alloc_nbytes=memory.alloc_nbytes,
-        offset=byte_offset(buf),
-        device_uuid=memory.device_uuid,
-        handle=handle,
-        dtype=buf.dtype.str,
-        shape=buf.shape,
-        event=event,
-    )
-
-
-def share_bytes(buf: Buffer) -> bytes:
-    """The descriptor bytes of ``buf`` under a new lease: the hot path of every put."""
-    buf._check()
-    memory = memory_of(buf)
-    lease_id, event, handle = memory.source.share(memory)
-    # The dtype object hashes faster than its .str; the handle is in the key because a
-    # host allocation's stays, but a CUDA one is exported at the first share.
-    key = (byte_offset(buf), buf.shape, buf.dtype, handle)
-    templates = memory.templates
-    if templates is None:
-        templates = memory.templates = {}
-    template = templates.get(key)
-    if template is None:
-        template = templates[key] = _describe(buf, memory, 0, b"", handle).template()
-    return template.fill(lease_id, event)
 
 
 def reduce_buffer(buf: Buffer) -> tuple[Any, tuple[bytes]]:
@@ -126,50 +84,41 @@ def reduce_pickled(buf: Buffer) -> tuple[Any, tuple[Any, ...]]:
     return reduce_buffer(buf)
 
 
+_registered = False  # register_reducers() ran in this process
+
+
+def register_reducers() -> None:
+    """Install how a Buffer pickles, once per process (later calls do nothing): ``copyreg``
+    (pickle, cloudpickle and so Ray, ``copy``) and multiprocessing's ForkingPickler
+    (Pipes, Process arguments), which looks ``Buffer`` up in its own table first.
+
+    Called before a process makes its first Buffer, by the two places Buffers come
+    from: the Manager's allocations and :func:`attach_buffer` (arrivals)."""
+    global _registered
+    if not _registered:
+        copyreg.pickle(Buffer, reduce_pickled)
+        ForkingPickler.register(Buffer, reduce_buffer)
+        _registered = True
+
+
 def rebuild_buffer(data: bytes) -> Buffer:
     """Unpickling side: parse and check the descriptor, claim its lease, map it."""
     return attach_buffer(Descriptor.from_bytes(data))
 
 
-_attach: Callable[[Descriptor], Any] | None = None  # _lifetime.attach, imported on first use
-
-
 def attach_buffer(desc: Descriptor) -> Buffer:
     """The Buffer a checked descriptor names, mapped in this process under its lease."""
-    global _attach
-    attach = _attach
-    if attach is None:  # the lifetime service loads with the first buffer that arrives
-        from ._lifetime import attach as loaded
-
-        attach = _attach = loaded
+    if not _registered:  # the first buffer this process receives: it may pass it on
+        register_reducers()
     return Buffer(attach(desc), desc.offset, desc.shape, _dtype(desc.dtype))  # a cached dtype
 
 
-# -- the Queue's copy of the wire form ------------------------------------------------------
-# Protocol 5 (PROTO), the global rebuild_buffer (two SHORT_BINUNICODE, STACK_GLOBAL), the
-# descriptor (BINBYTES, 4-byte length), then TUPLE1, REDUCE, STOP. No frame, no memo:
-# both are optional to every unpickler.
-_NAME = (__name__.encode(), b"rebuild_buffer")
-_QUEUE_HEAD = b"\x80\x05" + b"".join(b"\x8c" + bytes([len(part)]) + part for part in _NAME) + b"\x93B"
-_QUEUE_TAIL = b"\x85R."
-_LENGTH = struct.Struct("<I")
-_DATA_AT = len(_QUEUE_HEAD) + _LENGTH.size
-
-
-def queue_pickle(buf: Buffer) -> bytes:
-    """The pickle of ``reduce_buffer(buf)``, built directly (a new lease, like any pickling)."""
-    data = share_bytes(buf)
-    return _QUEUE_HEAD + _LENGTH.pack(len(data)) + data + _QUEUE_TAIL
-
-
+# -- the Queue's copy of the wire form (built by gpushare._sharing.queue_pickle, which names
+# REBUILD: this module's rebuild_buffer) ---------------------------------------------------
 def from_queue_pickle(data: bytes) -> Buffer | None:
-    """The Buffer ``data`` is the :func:`queue_pickle` of, or None for any other pickle."""
-    if data.startswith(_QUEUE_HEAD) and data.endswith(_QUEUE_TAIL):
-        (length,) = _LENGTH.unpack_from(data, len(_QUEUE_HEAD))
-        if _DATA_AT + length + len(_QUEUE_TAIL) == len(data):
-            return rebuild_buffer(data[_DATA_AT : _DATA_AT + length])
+    """The Buffer ``data`` is the :func:`~gpushare._sharing.queue_pickle` of, or None for any other pickle."""
+    if data.startswith(QUEUE_HEAD) and data.endswith(QUEUE_TAIL):
+        (length,) = QUEUE_LENGTH.unpack_from(data, len(QUEUE_HEAD))
+        if QUEUE_DATA_AT + length + len(QUEUE_TAIL) == len(data):
+            return rebuild_buffer(data[QUEUE_DATA_AT : QUEUE_DATA_AT + length])
     return None
-
-
-copyreg.pickle(Buffer, reduce_pickled)  # pickle, cloudpickle (Ray), copy
-ForkingPickler.register(Buffer, reduce_buffer)  # and by name for multiprocessing's own pickler

@@ -12,7 +12,6 @@ import sys
 import threading
 import warnings
 
-from .. import _cuda
 from .._errors import BackendUnavailableError, NoDeviceError
 from ._base import Allocation, Backend, Mapping
 
@@ -112,6 +111,12 @@ def parse_device(device: object) -> int | str | None:
     raise ValueError(f"device={device!r} is not a device; use an int, 'cuda', 'cuda:N', 'cpu' or None")
 
 
+def _gpu_usable() -> bool:
+    from .. import _cuda  # only device=None asks: an explicit 'cpu' never loads the CUDA layer
+
+    return _cuda.available()
+
+
 def resolve(device: object, backend: str | None = None) -> tuple[Backend, int | None]:
     """Pick the backend and device ordinal for an allocation.
 
@@ -131,7 +136,7 @@ def resolve(device: object, backend: str | None = None) -> tuple[Backend, int | 
     if parsed is None:
         if backend == "host" or os.environ.get("GPUSHARE_BACKEND", "").lower() == "host":
             parsed = "cpu"
-        elif _cuda.available():
+        elif _gpu_usable():
             parsed = int(os.environ.get("GPUSHARE_DEVICE", "0") or 0)
         else:
             if backend not in (None, "host"):
@@ -156,6 +161,8 @@ def resolve(device: object, backend: str | None = None) -> tuple[Backend, int | 
             )
         return get("host"), None
     assert isinstance(parsed, int)
+    from .. import _cuda  # a GPU is asked for: the CUDA layer loads here, not with the host backend
+
     try:
         count = _cuda.device_count()
     except NoDeviceError as exc:  # no driver, no GPU: say which request needed one

@@ -54,6 +54,12 @@ class CudaBackend(_base.Backend):
 
     is_cuda = True
 
+    # A Memory with a ready event (only CUDA memory has one) waits through its backend:
+    # gpushare._memory imports nothing of the CUDA layer. The driver calls themselves,
+    # so a wait costs no more than calling gpushare._cuda directly.
+    event_synchronize = staticmethod(_cuda.event_synchronize)
+    stream_wait_event = staticmethod(_cuda.stream_wait_event)
+
     def fill(self, ptr: int, pattern: bytes, nbytes: int, device: int | None) -> None:
         assert device is not None
         if len(set(pattern)) <= 1:

@@ -93,18 +93,20 @@ its own state and methods (no part is a base class of another):
 
 The service hands out :class:`~gpushare._memory.Memory` references; the layer above
 (:mod:`gpushare._reduction`, the Manager) wraps them in Buffers.
+
+This package's own names are the consumer side's (and :func:`owner_for`): a process
+that only receives buffers loads none of the owner side. Whoever makes an Owner
+imports it from :mod:`~gpushare._lifetime._owner`.
 """
 
 from __future__ import annotations
 
 from ._link import Link, attach, close_link, close_links, link_for, link_stats, links
-from ._owner import Owner, owner_for
-from ._protocol import LOCAL
+from ._protocol import LOCAL, owner_for
 
 __all__ = [
     "LOCAL",
     "Link",
-    "Owner",
     "attach",
     "close_link",
     "close_links",

@@ -27,14 +27,12 @@ import threading
 from multiprocessing import current_process
 from typing import Any
 
-from .. import _backends, _cuda, _journal
+from .. import _backends, _journal
 from .._descriptor import Descriptor
 from .._errors import DescriptorError, OwnerGoneError
 from .._memory import Memory
 from ._connection import OwnerConnection
-from ._owner import owner_for
-from ._protocol import CLAIM, RELEASE, log
-from ._ready import process_ready
+from ._protocol import CLAIM, RELEASE, log, owner_for
 from ._recorder import LeaseRecorder
 
 __all__ = ["Link", "attach", "close_link", "close_links", "link_for", "link_stats", "links"]
@@ -59,6 +57,8 @@ class _LeaseSource:
         lease_id = int(self.link.connection.request("lease", memory.alloc_id, memory.generation, self.lease_id))
         if memory.device is None:
             return lease_id, b"", memory.handle
+        from ._ready import process_ready  # CUDA memory only: a host process never loads the CUDA layer
+
         memory.order_stream(0)  # the legacy default stream waits for the producer's ready event
         return lease_id, process_ready.record(memory.device), memory.handle
 
@@ -215,6 +215,8 @@ class Link:
         key = (handle, device)
         event = self._events.get(key)
         if event is None:
+            from .. import _cuda  # once per sharer's event: only CUDA buffers carry one
+
             event = _cuda.event_open(handle, device)
             with self._lock:
                 event, duplicate = self._events.setdefault(key, event), event
@@ -282,6 +284,8 @@ class Link:
             events, self._events = self._events, {}
             mappings = list(self._mappings.values())
             self._mappings.clear()
+        if events:
+            from .. import _cuda  # events were opened: the CUDA layer is loaded
         for (_, device), event in events.items():
             try:
                 _cuda.event_destroy(event, device)

@@ -35,7 +35,7 @@ from .._errors import LeakWarning, ManagerClosedError
 from .._memory import Memory
 from ._alloc_pool import AllocationPool
 from ._lease_table import LeaseTable, check_alive
-from ._protocol import LOCAL, warn
+from ._protocol import LOCAL, owner_for, owners, warn
 from ._records import AllocRecord, Lease, OwnerState
 from ._request_loop import RequestLoop
 from ._unmapper import Unmapper
@@ -79,13 +79,8 @@ class _LocalLeaseSource(_OwnerSource):
         self.owner.leases.defer(self.owner.leases.release_locked, self.lease_id, LOCAL)
 
 
-_owners: dict[bytes, Owner] = {}
+_owners = owners  # this process's Owners by token, in _protocol: the consumer side looks there first
 _owners_lock = threading.Lock()
-
-
-def owner_for(token: bytes) -> Owner | None:
-    """The Owner of this process with ``token``, if there is one."""
-    return _owners.get(token)
 
 
 class Owner:

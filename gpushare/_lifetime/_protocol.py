@@ -1,8 +1,11 @@
 """What both sides of the lifetime service agree on: record kinds, holder ids, timeouts, logging.
 
 The wire messages themselves are listed in the package docstring
-(:mod:`gpushare._lifetime`); this module holds the constants they use and the one
-way either side warns from a thread.
+(:mod:`gpushare._lifetime`); this module holds the constants they use, the one
+way either side warns from a thread, and this process's Owners by token: the
+owner side registers each Owner here, and the consumer side looks here first
+(a buffer unpickled in its owner's process needs no link), so the consumer
+side does not import the owner side.
 """
 
 from __future__ import annotations
@@ -12,7 +15,12 @@ import warnings
 
 from .. import _journal
 
-__all__ = ["CLAIM", "LOCAL", "NUDGE", "RELEASE", "REQUEST_TIMEOUT", "RETIRE", "log", "warn"]
+# typing is not imported at run time: it is a measurable share of a child's start (see gpushare._seams).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+__all__ = ["CLAIM", "LOCAL", "NUDGE", "RELEASE", "REQUEST_TIMEOUT", "RETIRE", "log", "owner_for", "owners", "warn"]
 
 log = logging.getLogger("gpushare")
 
@@ -25,6 +33,14 @@ NUDGE = -1  # tell the owner to read this consumer's journal
 RETIRE = -2  # the owner is gone and nothing here uses it any more: close the link
 #: Seconds a consumer waits for the owner to answer a request.
 REQUEST_TIMEOUT = 30.0
+
+#: This process's Owners by token (``_owner.Owner`` adds itself when made and removes itself at shutdown).
+owners: dict[bytes, Any] = {}
+
+
+def owner_for(token: bytes) -> Any:
+    """This process's Owner with ``token``, or None when the owner is another process."""
+    return owners.get(token)
 
 
 def warn(message: str, category: type[Warning]) -> None:

@@ -7,7 +7,7 @@
   process claims it, then held by that process until released.
 * :class:`Peer` -- one connected consumer process: its connection, its
   leases and its lease journal.
-* :class:`OwnerState` -- what every part of an :class:`~gpushare._lifetime.Owner`
+* :class:`OwnerState` -- what every part of an :class:`~gpushare._lifetime._owner.Owner`
   reads and changes, always under ``lock``: the allocation table, the
   connected peers, whether the owner is closed, and the owner's ready events.
 

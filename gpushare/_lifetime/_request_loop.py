@@ -11,7 +11,7 @@ never claimed within ``lease_timeout`` and frees unused transient
 allocations and what the pool holds over its limit.
 
 The loop decides nothing about leases or memory itself: it hands each
-message to the part of the :class:`~gpushare._lifetime.Owner` it concerns
+message to the part of the :class:`~gpushare._lifetime._owner.Owner` it concerns
 (the lease table, the unmapper, the pool), and the requests a process makes
 of the owner as a whole (``alloc``, ``stats``, ``trim``, ``shutdown``) to the
 functions the Owner gave it.
