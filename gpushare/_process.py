@@ -56,6 +56,7 @@ from multiprocessing.context import get_spawning_popen
 from multiprocessing.process import BaseProcess, current_process
 from multiprocessing.reduction import ForkingPickler
 
+from . import _seams
 from ._errors import MainGuardError, NoDeviceError, StartMethodError
 
 # typing is not imported at run time: it is a measurable share of a child's start (see gpushare._seams).
@@ -75,8 +76,7 @@ __all__ = [
 
 def cuda_initialized() -> bool:
     """True when CUDA was initialised in this process by gpushare or torch."""
-    cuda = sys.modules.get("gpushare._cuda")  # not imported: gpushare initialised nothing
-    if cuda is not None and cuda.initialized():
+    if _seams.cuda_initialized():
         return True
     torch = sys.modules.get("torch")
     try:
@@ -517,6 +517,4 @@ class GpuProcessMixin(BaseProcess):
         try:
             super().run()
         finally:
-            lifetime = sys.modules.get("gpushare._lifetime")  # not imported: no link to close
-            if lifetime is not None:
-                lifetime.close_links()
+            _seams.worker_exit()  # the links' leases go back now: a worker ends without atexit

@@ -13,6 +13,18 @@ import of the package runs first) calls all of them, in one block, at import:
     A buffer pickled inside a connected Ray process takes Ray's form
     (:mod:`gpushare.ray`, the top layer). Read with :func:`ray_form`.
 
+Two more facts travel the same way, registered by the layer that knows them, so
+that a layer which must not import that one (a child that never used CUDA must
+not load the CUDA layer to learn so) can ask:
+
+``mark_cuda_initialized()``
+    The CUDA layer initialised the driver in this process (:mod:`gpushare._cuda`).
+    Read with :func:`cuda_initialized`.
+``at_worker_exit(hook)``
+    Something to do when a gpushare worker's target returns, before the process
+    ends without running ``atexit`` (the lifetime service's links, registered
+    when the first link is made). Run with :func:`worker_exit`.
+
 Nothing else is handed down. This module imports nothing of gpushare, so any
 layer may read it.
 """
@@ -28,10 +40,21 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
-__all__ = ["default_context", "ray_form", "set_default_context", "set_ray_form"]
+__all__ = [
+    "at_worker_exit",
+    "cuda_initialized",
+    "default_context",
+    "mark_cuda_initialized",
+    "ray_form",
+    "set_default_context",
+    "set_ray_form",
+    "worker_exit",
+]
 
 _default_context: Callable[[], Any] | None = None
 _ray_form: Callable[[Any], tuple[Any, tuple[Any, ...]]] | None = None
+_cuda_initialized = False
+_worker_exit: list[Callable[[], None]] = []
 
 
 def set_default_context(get_context: Callable[[], Any]) -> None:
@@ -56,3 +79,26 @@ def set_ray_form(reduce: Callable[[Any], tuple[Any, tuple[Any, ...]]]) -> None:
 def ray_form() -> Callable[[Any], tuple[Any, tuple[Any, ...]]] | None:
     """The Ray reducer, or None before the facade registered it."""
     return _ray_form
+
+
+def mark_cuda_initialized() -> None:
+    """Record that the CUDA driver is initialised in this process."""
+    global _cuda_initialized
+    _cuda_initialized = True
+
+
+def cuda_initialized() -> bool:
+    """Whether gpushare initialised the CUDA driver in this process."""
+    return _cuda_initialized
+
+
+def at_worker_exit(hook: Callable[[], None]) -> None:
+    """Run ``hook`` when a gpushare worker's target returns (once, however often registered)."""
+    if hook not in _worker_exit:
+        _worker_exit.append(hook)
+
+
+def worker_exit() -> None:
+    """Run the hooks of :func:`at_worker_exit`, in order."""
+    for hook in list(_worker_exit):
+        hook()

@@ -132,13 +132,7 @@ def sys_modules_lookups(source: str) -> list[tuple[int, str]]:
 #: gpushare.dummy's ``sys.modules.setdefault(f"{__name__}.connection", connection)`` is a
 #: registration, not a lookup (it puts multiprocessing.dummy.connection where ``import
 #: gpushare.dummy.connection`` finds it: gpushare.dummy is a module, not a package), and the
-#: check does not count it. These two remain: the process layer asks whether the CUDA layer
-#: was initialised (``cuda_initialized``) and whether the lifetime service has links to close
-#: when ``run()`` ends, without loading either; both still need their state handed to it.
-STILL_LOOKED_UP = {
-    "gpushare/_process.py: sys.modules.get('gpushare._cuda')",
-    "gpushare/_process.py: sys.modules.get('gpushare._lifetime')",
-}
+#: check does not count it.
 
 
 def test_no_gpushare_module_is_found_through_sys_modules() -> None:
@@ -148,8 +142,7 @@ def test_no_gpushare_module_is_found_through_sys_modules() -> None:
         if rel == "gpushare/__init__.py":
             continue  # the facade's lazy loader imports by name; it does not read sys.modules
         for line, code in sys_modules_lookups(path.read_text(encoding="utf-8")):
-            if f"{rel}: {code}" not in STILL_LOOKED_UP:
-                found.append(f"{rel}:{line}: {code}")
+            found.append(f"{rel}:{line}: {code}")
     assert not found, "gpushare modules found through sys.modules (import them instead):\n" + "\n".join(found)
 
 

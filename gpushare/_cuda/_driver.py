@@ -23,6 +23,7 @@ from __future__ import annotations
 import _thread  # threading.RLock() is _thread.RLock(); importing threading would add to a child's start
 import os
 
+from .. import _seams
 from .._errors import CUDAError, CUDAOutOfMemoryError, NoDeviceError
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (see gpushare._seams)
@@ -97,6 +98,7 @@ def _load() -> Any:
 
         _queries = _Queries.load()
         _bindings = driver
+        _seams.mark_cuda_initialized()
         return driver
 
 

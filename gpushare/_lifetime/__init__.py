@@ -61,11 +61,11 @@ releases), ``("lease", req, alloc, generation, lease it came under)``
 (re-sharing: answered with the new lease; the re-sharing process records
 its own ready event), ``("fd", req, alloc)``, ``("unmapped", alloc, ok)``,
 and the requests a process makes of the owner as a whole:
-``("alloc", req, backend, device uuid, nbytes, label, dtype, shape)``
+``("alloc", req, backend, device uuid, nbytes, label, dtype, shape, transient)``
 (allocate memory for the asker, answered with a descriptor under a new
 lease that the asker then claims like any other: how a client of a
 server-owned Manager allocates, and how a loader's workers get slots that
-the trainer owns), ``("stats", req)`` and ``("trim", req)``;
+the trainer owns), ``("stats", req)``, ``("trim", req)`` and ``("shutdown", req, timeout)``;
 owner -> consumer ``("ok", req, value)``, ``("okfd", req, None)`` immediately
 followed on the socket by one file descriptor (SCM_RIGHTS: the fd-based
 backends' allocation or pool handle, sent only for an allocation the

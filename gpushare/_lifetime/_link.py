@@ -27,7 +27,7 @@ import threading
 from multiprocessing import current_process
 from typing import Any
 
-from .. import _backends, _journal
+from .. import _backends, _journal, _seams
 from .._descriptor import Descriptor
 from .._errors import DescriptorError, OwnerGoneError
 from .._memory import Memory
@@ -322,6 +322,7 @@ def link_for(address: str, token: bytes, authkey: bytes | None = None) -> Link:
                 key = bytes(current_process().authkey) if authkey is None else authkey
                 link = Link(address, token, key)
                 _links[token] = link
+                _seams.at_worker_exit(close_links)  # a worker's exit skips atexit
     return link
 
 
