@@ -31,13 +31,12 @@ layer may read it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 # typing is not imported at run time: importing it is a measurable share of a child's start (the
 # `startup` benchmark scenario), and this module (like the facade and the context and process
 # modules) is imported by every child.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from typing import Any
 
 __all__ = [

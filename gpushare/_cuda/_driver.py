@@ -23,7 +23,6 @@ from __future__ import annotations
 import _thread  # threading.RLock() is _thread.RLock(); importing threading would add to a child's start
 import os
 
-from .. import _seams
 from .._errors import CUDAError, CUDAOutOfMemoryError, NoDeviceError
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (see gpushare._seams)
@@ -98,6 +97,8 @@ def _load() -> Any:
 
         _queries = _Queries.load()
         _bindings = driver
+        from .. import _seams  # with the driver, not with this package (which loads nothing else)
+
         _seams.mark_cuda_initialized()
         return driver
 
