@@ -1,55 +1,54 @@
-"""Buffer: a typed window onto shared memory, in the owner or a worker.
+"""Buffer: a typed window onto shared memory, and how it travels between processes.
 
-Two objects make up a buffer in a process:
+* In a process, a :class:`Buffer` views one :class:`~gpushare._memory.Memory`
+  (that process's single reference to an allocation) and takes a count on it;
+  the last Buffer released or collected drops the Memory, which gives the
+  reference back. ``release()`` is idempotent. Touching a released buffer
+  raises :class:`~gpushare._errors.BufferReleasedError`.
+* Between processes, a Buffer travels as the pickle of
+  ``(rebuild_buffer, (descriptor bytes,))`` with a new lease per pickling
+  (:func:`share_bytes`). ``Buffer.__reduce__`` gives it to every pickler
+  (:func:`reduce_buffer`; the Ray form in a process connected to Ray); the
+  Queue writes the same bytes itself (:func:`queue_pickle`) and reads them
+  back without the unpickler (:func:`from_queue_pickle`).
 
-* a :class:`~gpushare._memory.Memory` -- this process's single reference to one allocation
-  incarnation (the owner's own reference, a lease claimed from the owner,
-  or a lease the owner holds for itself). It knows the allocation's address
-  *in this process*, which backend maps it, and a *source* that knows what
-  "drop", "share" and "is it still valid" mean for that kind of reference;
-* any number of :class:`Buffer` objects viewing it (the buffer itself and
-  its ``view()`` results). Each takes a count on the Memory; when the last
-  one is released or collected the Memory is dropped, which gives the
-  reference back (releases the lease, or lets the owner recycle).
-
-``release()`` releases only this process's reference and is idempotent.
-A Buffer that is never released gives its count back when it is garbage
-collected; one still alive at interpreter exit, when its memory is the
-owner's (the owner's own reference or a lease claimed in the owner's
-process), is released by ``weakref.finalize``'s exit hook. A lease
-claimed over a link (:attr:`Memory.exit_release` false) needs no exit hook
-of its own -- the link's exit handler closes the connection, and the
-owner then drops every lease of that process -- so its Buffers use a
-cheaper finalizer (:class:`_Drop`, called by ``__del__``).
-Touching the memory of a released buffer raises
-:class:`~gpushare._errors.BufferReleasedError`; touching a buffer whose
-owner is gone raises :class:`~gpushare._errors.OwnerGoneError`. Neither
-ever reaches the driver with a dangling pointer.
-
-Other modules of the package that build on a Buffer's memory (the ring's
-items, a loader batch's arrays, a weight set's tensors) go through
-:func:`window` and :func:`memory_of`, never through its private fields. A
-ring item is a Buffer whose finalizer is the ring's (``finalizer=``): it
-takes no count of its own, because the ring's end keeps the slot's own
-Buffer while the item is out.
-
-NumPy is imported on first use, not with this module: a process that only
-passes buffers along never needs it.
+The package's other modules reach a Buffer's memory through :func:`window`
+and :func:`memory_of`. Why each choice: docs/design.md, "Descriptors" and
+"A handoff, step by step".
 """
 
 from __future__ import annotations
 
 import math
+import struct
+import sys
 import weakref
 from typing import TYPE_CHECKING, Any
 
+from . import _seams
+from ._descriptor import Descriptor, _dtype
 from ._errors import BufferReleasedError
 from ._memory import Memory
 
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["Buffer", "Memory", "byte_offset", "check_dtype", "check_shape", "memory_of", "window"]
+__all__ = [
+    "Buffer",
+    "Memory",
+    "attach_buffer",
+    "byte_offset",
+    "check_dtype",
+    "check_shape",
+    "descriptor_of",
+    "from_queue_pickle",
+    "memory_of",
+    "queue_pickle",
+    "rebuild_buffer",
+    "reduce_buffer",
+    "share_bytes",
+    "window",
+]
 
 _SUPPORTED_KINDS = "biufc"
 
@@ -181,6 +180,13 @@ class Buffer:
             self._finalizer()
         except Exception:  # interpreter shutdown, or __init__ failed before setting it
             pass
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        """How a Buffer pickles, for every pickler but gpushare's Queue (which writes the
+        same bytes itself): its descriptor under a new lease, rebuilt by
+        :func:`rebuild_buffer`; in a process connected to Ray, the Ray form
+        (:mod:`gpushare.ray`)."""
+        return reduce_buffer(self)
 
     # -- description --------------------------------------------------------
     @property
@@ -454,3 +460,98 @@ class _HostView:
             "strides": None,
             "version": 3,
         }
+
+
+# -- the wire form: sending -------------------------------------------------------------------
+def descriptor_of(buf: Buffer) -> Descriptor:
+    """Take a lease on ``buf`` and describe it (one call per receiver)."""
+    buf._check()
+    memory = memory_of(buf)
+    lease_id, event, handle = memory.source.share(memory)
+    return _describe(buf, memory, lease_id, event, handle)
+
+
+def _describe(buf: Buffer, memory: Any, lease_id: int, event: bytes, handle: bytes) -> Descriptor:
+    return Descriptor(
+        backend=memory.backend.name,
+        owner_token=memory.owner_token,
+        address=memory.address,
+        alloc_id=memory.alloc_id,
+        generation=memory.generation,
+        lease_id=lease_id,
+        alloc_nbytes=memory.alloc_nbytes,
+        offset=byte_offset(buf),
+        device_uuid=memory.device_uuid,
+        handle=handle,
+        dtype=buf.dtype.str,
+        shape=buf.shape,
+        event=event,
+    )
+
+
+def share_bytes(buf: Buffer) -> bytes:
+    """The descriptor bytes of ``buf`` under a new lease: the hot path of every put."""
+    buf._check()
+    memory = memory_of(buf)
+    lease_id, event, handle = memory.source.share(memory)
+    # The dtype object hashes faster than its .str; the handle is in the key because a
+    # host allocation's stays, but a CUDA one is exported at the first share.
+    key = (byte_offset(buf), buf.shape, buf.dtype, handle)
+    templates = memory.templates
+    if templates is None:
+        templates = memory.templates = {}
+    template = templates.get(key)
+    if template is None:
+        template = templates[key] = _describe(buf, memory, 0, b"", handle).template()
+    return template.fill(lease_id, event)
+
+
+# -- the Queue's copy of the wire form ------------------------------------------------------
+#: The function a buffer's pickle names: rebuild_buffer, below (tests/test_child_imports.py checks it).
+REBUILD = ("gpushare._buffer", "rebuild_buffer")
+# Protocol 5 (PROTO), the global REBUILD (two SHORT_BINUNICODE, STACK_GLOBAL), the
+# descriptor (BINBYTES, 4-byte length), then TUPLE1, REDUCE, STOP. No frame, no memo:
+# both are optional to every unpickler. from_queue_pickle reads it back.
+QUEUE_HEAD = b"\x80\x05" + b"".join(b"\x8c" + bytes([len(p)]) + p for p in (n.encode() for n in REBUILD)) + b"\x93B"
+QUEUE_TAIL = b"\x85R."
+QUEUE_LENGTH = struct.Struct("<I")
+QUEUE_DATA_AT = len(QUEUE_HEAD) + QUEUE_LENGTH.size
+
+
+def queue_pickle(buf: Buffer) -> bytes:
+    """The pickle of ``reduce_buffer(buf)``, built directly (a new lease, like any pickling)."""
+    data = share_bytes(buf)
+    return QUEUE_HEAD + QUEUE_LENGTH.pack(len(data)) + data + QUEUE_TAIL
+
+
+def reduce_buffer(buf: Buffer) -> tuple[Any, tuple[Any, ...]]:
+    """``Buffer.__reduce__``: ``(rebuild_buffer, (descriptor bytes,))`` with a new lease, or,
+    inside a process connected to Ray, the Ray form (see the module docstring)."""
+    ray = sys.modules.get("ray")  # a probe: Ray is never imported here
+    if ray is not None:
+        ray_form = _seams.ray_form()
+        if ray_form is not None and getattr(ray, "is_initialized", lambda: False)():
+            return ray_form(buf)
+    return (rebuild_buffer, (share_bytes(buf),))
+
+
+# -- the wire form: receiving -----------------------------------------------------------------
+def rebuild_buffer(data: bytes) -> Buffer:
+    """Unpickling side: parse and check the descriptor, claim its lease, map it."""
+    return attach_buffer(Descriptor.from_bytes(data))
+
+
+def attach_buffer(desc: Descriptor) -> Buffer:
+    """The Buffer a checked descriptor names, mapped in this process under its lease."""
+    from ._lifetime import attach  # here, not above: a process that never receives loads no lease service
+
+    return Buffer(attach(desc), desc.offset, desc.shape, _dtype(desc.dtype))  # a cached dtype
+
+
+def from_queue_pickle(data: bytes) -> Buffer | None:
+    """The Buffer ``data`` is the :func:`queue_pickle` of, or None for any other pickle."""
+    if data.startswith(QUEUE_HEAD) and data.endswith(QUEUE_TAIL):
+        (length,) = QUEUE_LENGTH.unpack_from(data, len(QUEUE_HEAD))
+        if QUEUE_DATA_AT + length + len(QUEUE_TAIL) == len(data):
+            return rebuild_buffer(data[QUEUE_DATA_AT : QUEUE_DATA_AT + length])
+    return None

@@ -64,9 +64,7 @@ def _allocation_request(shape: Any, dtype: Any, device: Any, backend: str | None
     """Check a request and resolve where it goes: (backend, ordinal, dims, dtype, rounded size, label)."""
     from . import _backends
     from ._buffer import check_dtype, check_shape
-    from ._reduction import register_reducers
 
-    register_reducers()  # how the Buffer about to be made pickles (once per process)
     dims = check_shape(shape)
     dt = check_dtype(dtype)
     nbytes = math.prod(dims) * dt.itemsize
@@ -112,8 +110,8 @@ class RemoteAllocator:
         """An uninitialised buffer, allocated by the Owner for this process. ``transient``:
         the Owner frees it once unused instead of pooling it for a later request of its
         size (scratch memory of a size no later request asks for)."""
+        from ._buffer import rebuild_buffer
         from ._lifetime import owner_for
-        from ._reduction import rebuild_buffer
 
         chosen, ordinal, dims, dt, nbytes, label = _allocation_request(
             shape, dtype, device, backend or self.default_backend

@@ -95,7 +95,7 @@ class Memory:
         self.event = event
         self.pending = event is not None
         # Sharer side: descriptor templates per (offset, shape, dtype, handle) view,
-        # filled with a lease id and a ready event at each pickling (_reduction).
+        # filled with a lease id and a ready event at each pickling (_buffer.share_bytes).
         self.templates: dict[tuple[Any, ...], Any] | None = None
         # Whether Buffers of this memory must also be released by the interpreter's exit
         # hook (see gpushare._buffer): false for a lease claimed over a link.

@@ -197,10 +197,12 @@ _tables: tuple[dict[Any, Any], dict[Any, Any], dict[Any, Any]] | None = None
 
 def _dry_run_table() -> dict[Any, Any]:
     """ForkingPickler's dispatch table for the dry run: the reducers registered with it,
-    and gpushare's own, stubbed (they take leases, duplicate fds or move tensors to shared
+    and gpushare's own and the Buffer's, stubbed (they take leases, duplicate fds or move tensors to shared
     memory, which a dry run must not do); multiprocessing's reducers for methods and
     partials kept, to be looked into. Rebuilt when a registration changed."""
     global _tables
+    from ._buffer import Buffer  # pickles by its own __reduce__, which takes a lease
+
     extra = ForkingPickler._extra_reducers  # type: ignore[attr-defined]
     cached = _tables
     if cached is not None and cached[0] == copyreg.dispatch_table and cached[1] == extra:
@@ -212,6 +214,7 @@ def _dry_run_table() -> dict[Any, Any]:
         # multiprocessing registers for methods and partials, which must be looked into.
         if reducer not in _PURE_REDUCERS and (kind in extra or getattr(kind, "__module__", "").startswith("gpushare")):
             table[kind] = _stub
+    table[Buffer] = _stub
     if table.get(types.MethodType) in _PURE_REDUCERS:  # a method getattr would not find goes by value
         table[types.MethodType] = _reduce_method_by_name
     _tables = (dict(copyreg.dispatch_table), dict(extra), table)

@@ -12,7 +12,7 @@ What ``put()`` hands the feeder thread, and what travels:
 * an immutable plain value (None, a number, a string, bytes, or a small
   tuple of those) cannot change before the feeder pickles it: it goes as it
   is, and the feeder pickles it, as multiprocessing's does;
-* a Buffer: its wire form (:func:`gpushare._sharing.queue_pickle`, the
+* a Buffer: its wire form (:func:`gpushare._buffer.queue_pickle`, the
   same pickle a Pipe or a Process argument carries), built in ``put()``;
 * anything else: pickled in ``put()`` as a Process's arguments are
   (:func:`gpushare._process.dumps`): by multiprocessing's ForkingPickler,
@@ -21,7 +21,7 @@ What ``put()`` hands the feeder thread, and what travels:
 The last two are :class:`_Pickled` bytes, which this queue's own feeder
 thread (:func:`_feed`) writes to the pipe as they are: each item is pickled
 exactly once. ``get()`` reads a buffer's descriptor straight out of its
-bytes (:func:`gpushare._reduction.from_queue_pickle`) and unpickles anything
+bytes (:func:`gpushare._buffer.from_queue_pickle`) and unpickles anything
 else, so what comes out of ``get()`` is always exactly what went in.
 
 ``get()`` also ends when the process that created the queue is gone.
@@ -76,10 +76,9 @@ import weakref
 from multiprocessing import queues, util
 from multiprocessing.reduction import ForkingPickler
 
-from ._buffer import Buffer
+from ._buffer import Buffer, queue_pickle
 from ._errors import OwnerGoneError
 from ._process import dumps, main_guard_error, stopped_by_main_guard
-from ._sharing import queue_pickle
 
 # typing is not imported at run time: it is a measurable share of a child's start (see gpushare._seams).
 TYPE_CHECKING = False
@@ -122,7 +121,7 @@ def _capture(obj: Any) -> Any:
 def _restore(data: bytes) -> Any:
     """get(): the item ``data`` is the pickle of."""
     if data[:2] == b"\x80\x05" and data[-3:] == b"\x85R.":  # maybe a Buffer's wire form
-        from ._reduction import from_queue_pickle
+        from ._buffer import from_queue_pickle
 
         buf = from_queue_pickle(data)
         if buf is not None:

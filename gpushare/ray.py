@@ -1,23 +1,15 @@
 """Ray: gpushare Buffers as task and actor arguments, return values and ``ray.put`` objects.
 
-Nothing to register and nothing to call. A Buffer has no ``__reduce__`` of
-its own: :mod:`gpushare._reduction`, loaded before any Buffer exists,
-registers a ``copyreg`` reducer for it (``reduce_pickled``), which plain
-``pickle``, ``copy`` and cloudpickle consult -- Ray serializes with its
-cloudpickle, whose dispatch table falls back to ``copyreg``'s. That reducer
-asks the ``ray_form`` seam (:mod:`gpushare._seams`; the facade,
-``gpushare/__init__.py``, connects it to :func:`reduce_for_ray`): when ``ray``
-is imported and ``ray.is_initialized()`` in the pickling process, the buffer
-takes its Ray form::
+Nothing to register and nothing to call. ``Buffer.__reduce__`` asks
+:func:`gpushare._buffer.reduce_buffer`, which gives the Ray form when
+``ray`` is imported and ``ray.is_initialized()`` in the pickling process (the
+facade connects the ``ray_form`` seam to :func:`reduce_for_ray`)::
 
     (gpushare.ray._rebuild, (descriptor bytes, node identity, Ray node id, owner authkey))
 
-Otherwise it takes the ordinary form, ``(rebuild_buffer, (descriptor
-bytes,))``. multiprocessing's ForkingPickler (Pipes, Process arguments) has
-its own reducer for Buffer, registered beside the ``copyreg`` one
-(``reduce_buffer``), and gpushare's Queue builds its pickle itself, so
-neither gives the Ray form, even inside a Ray worker; in a connected Ray
-process every other ``pickle``, cloudpickle or ``copy`` of a Buffer does.
+and the ordinary form, ``(rebuild_buffer, (descriptor bytes,))``, otherwise.
+Ray serializes with cloudpickle, which calls ``__reduce__``. gpushare's Queue
+writes the ordinary form itself, so it never carries the Ray form.
 
 Data flow:
 
@@ -66,10 +58,9 @@ from typing import Any
 import numpy as np
 
 from . import _lifetime
-from ._buffer import Buffer, memory_of
+from ._buffer import Buffer, attach_buffer, descriptor_of, memory_of
 from ._descriptor import Descriptor
 from ._errors import DescriptorError, GpushareError, OwnerGoneError
-from ._reduction import attach_buffer, descriptor_of
 
 __all__ = ["NODE_ID_ENV", "NodeCopy", "node_identity", "reduce_for_ray"]
 

@@ -162,6 +162,6 @@ def test_the_sys_modules_check_finds_lookups(source: str, hits: int) -> None:
 
 
 def test_the_queue_pickle_names_rebuild_buffer() -> None:
-    from gpushare import _reduction, _sharing
+    from gpushare import _buffer
 
-    assert _sharing.REBUILD == (_reduction.__name__, _reduction.rebuild_buffer.__name__)
+    assert _buffer.REBUILD == (_buffer.__name__, _buffer.rebuild_buffer.__name__)

@@ -107,7 +107,7 @@ def test_view_past_the_allocation_is_refused() -> None:
 
 
 def test_rebuild_with_corrupt_bytes_through_pickle_is_a_descriptor_error() -> None:
-    from gpushare._reduction import rebuild_buffer
+    from gpushare._buffer import rebuild_buffer
 
     payload = pickle.dumps((rebuild_buffer, b"\x00" * 10))
     func, arg = pickle.loads(payload)

@@ -175,7 +175,7 @@ def test_items_shaped_like_a_queued_buffer_arrive_as_themselves(manager, reap) -
     # A Buffer crosses a gpushare queue as its pickle, which get() reads without the
     # unpickler; bytes, and tuples of bytes, that look like that pickle (or are it)
     # must come out of get() as they went in.
-    from gpushare._reduction import queue_pickle
+    from gpushare._buffer import queue_pickle
 
     buf = manager.full((4,), 2.0, device="cpu")
     looks_like = queue_pickle(manager.full((4,), 1.0, device="cpu"))  # a real one, sent as bytes

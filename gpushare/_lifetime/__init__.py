@@ -92,7 +92,7 @@ its own state and methods (no part is a base class of another):
 * both: ``_protocol`` (constants, warnings) and ``_ready`` (ready events).
 
 The service hands out :class:`~gpushare._memory.Memory` references; the layer above
-(:mod:`gpushare._reduction`, the Manager) wraps them in Buffers.
+(:mod:`gpushare._buffer`, the Manager) wraps them in Buffers.
 
 This package's own names are the consumer side's (and :func:`owner_for`): a process
 that only receives buffers loads none of the owner side. Whoever makes an Owner
