@@ -46,7 +46,6 @@ from ._errors import (
     TensorSetClosedError,
     WaitTimeoutError,
 )
-from ._version import __version__ as __version__
 
 # typing is not imported at run time: it is a measurable share of a child's start (see gpushare._seams).
 TYPE_CHECKING = False
@@ -79,6 +78,7 @@ if TYPE_CHECKING:
     from ._loader_workers import prepare_loaders as prepare_loaders
     from ._manager import GRANULARITY as GRANULARITY
     from ._manager import BufferManager as BufferManager
+    from ._version import __version__ as __version__
 
 
 def _ray_form(buf: Any) -> tuple[Any, tuple[Any, ...]]:
@@ -118,6 +118,7 @@ _LAZY = {
     "SlotWriter": ("._batch", "SlotWriter"),
     "Snapshot": ("._fanout", "Snapshot"),
     "TensorSet": ("._fanout", "TensorSet"),
+    "__version__": ("._version", "__version__"),
     "prepare_loaders": ("._loader_workers", "prepare_loaders"),
 }
 

@@ -38,7 +38,7 @@ OWNER_SIDE = {
     "gpushare._manager",
 }
 #: The most gpushare modules a fresh child loads to get and read one host buffer.
-HOST_LIMIT = 22
+HOST_LIMIT = 19
 #: The same with a CUDA buffer: the host figure, less the host backend, plus the CUDA layer
 #: (its package and five modules), the CUDA backend with its shared base, and the ready events.
 CUDA_LIMIT = HOST_LIMIT - 1 + 6 + 2 + 1
