@@ -1,19 +1,11 @@
 """Streams and events: stream ordering within a process and between processes.
 
-An interprocess event (:func:`event_create_ipc`) is created once, its 64-byte
-handle opened once by each consumer (:func:`event_open`, a slow driver call), and
-then recorded and waited on at every handoff. A plain event
-(:func:`event_create`) orders work within this process. The per-handoff calls
-(:func:`event_record`, :func:`stream_wait_event`, :func:`stream_idle`,
-:func:`event_done`) enter the device's context through
-:func:`~gpushare._cuda._driver._enter`; the two queries and the record go first
-through the GIL-keeping :class:`~gpushare._cuda._queries._Queries` and fall back
-to cuda-bindings (:func:`_finished`). Every other call pushes the primary
-context for its duration (:class:`~gpushare._cuda._driver.on_device`).
-
-The loaded driver, the primary contexts and the queries are state of
-:mod:`gpushare._cuda._driver`, set lazily: they are read from there at call
-time (``_driver.<name>``: one attribute lookup), never copied here.
+- An interprocess event (:func:`event_create_ipc`) is made once; each consumer opens its
+  handle once (:func:`event_open`), then records and waits on it at every handoff.
+- A plain event (:func:`event_create`) orders work within this process.
+- The per-handoff calls (:func:`event_record`, :func:`stream_wait_event`, :func:`stream_idle`,
+  :func:`event_done`) enter through :func:`~gpushare._cuda._driver._enter`; the queries and
+  the record keep the GIL where they can (:func:`_finished` is the fallback).
 """
 
 from __future__ import annotations
