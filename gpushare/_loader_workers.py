@@ -268,7 +268,7 @@ _forkserver_failed: list[str] = []  # why the forkserver could not start, once i
 
 
 def start_forkserver() -> bool:
-    """Start multiprocessing's forkserver now (a few milliseconds here; it imports in its own process);
+    """Start multiprocessing's forkserver now (quick here: it imports in its own process);
     False, with a warning, where it cannot start: loaders left to their default then spawn their
     workers, and it is not tried again in this process."""
     from multiprocessing import forkserver

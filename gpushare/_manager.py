@@ -55,7 +55,7 @@ def _allocation_request(shape: Any, dtype: Any, device: Any, backend: str | None
         raise OutOfMemoryError(f"shape {dims} of {dt} needs {nbytes} bytes, more than any device holds")
     chosen, ordinal = _backends.resolve(device, backend)
     name = _DTYPE_NAMES.get(dt)
-    if name is None:  # NumPy formats a dtype's name slowly: a few microseconds per buffer
+    if name is None:  # NumPy formats a dtype's name slowly, and every buffer asks
         name = _DTYPE_NAMES.setdefault(dt, str(dt))
     label = f"{dims} {name} on {'cpu' if ordinal is None else f'cuda:{ordinal}'}"
     return chosen, ordinal, dims, dt, round_size(nbytes), label

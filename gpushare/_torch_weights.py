@@ -271,8 +271,8 @@ def _version_tensors(tensor_set: Any, slot: int) -> Mapping[str, torch.Tensor]:
     """Torch tensors over every tensor of version ``slot`` (names -> tensors, read-only, in
     layout order), made once per version.
 
-    Making a tensor from a Buffer costs tens of microseconds (DLPack); a trainer that
-    publishes a 200-tensor state dict every step would pay milliseconds. These views are
+    Making a tensor from a Buffer is a DLPack export; a trainer that publishes a state
+    dict of hundreds of tensors every step would pay one per tensor. These views are
     written only while a draft of that version is out (:func:`publish_state_dict`,
     :func:`draft_tensors`).
     """
@@ -376,7 +376,7 @@ def bind(module: torch.nn.Module, snapshot: Any, *, strict: bool = True) -> Inco
     if plan is None:
         own, keys = _match(module, snapshot, strict)
         # A reader's snapshot: the module's tensors over its version slot are made once
-        # per slot (DLPack on CUDA: milliseconds a version for a 200-tensor model), and
+        # per slot (DLPack on CUDA: one export per tensor, a cost per version), and
         # where each goes in the module is worked out once (module.state_dict() walks
         # every submodule, as load_state_dict() notes) and checked after.
         plan = _BindPlan.make(module, snapshot, strict, own, keys) if reader else None

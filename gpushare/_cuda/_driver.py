@@ -333,8 +333,7 @@ def _enter(ordinal: int) -> tuple[Any, bool]:
     the time the device's primary context is already current on the calling thread
     (make_current at worker start-up, torch's or CuPy's own set-up, or an earlier
     _enter on a thread that had none), and then one cuCtxGetCurrent replaces a
-    push, a pop and a context manager, a few microseconds per call that every
-    handoff paid.
+    push, a pop and a context manager, a cost every handoff paid.
     """
     driver = _bindings if _bindings is not None else _load()
     key = _primary_ints.get(ordinal)

@@ -55,8 +55,8 @@ def event_record(event: Any, ordinal: int, stream: int = 0) -> None:
     """Record ``event`` on ``stream`` (0: the legacy default stream, where torch's default work runs).
 
     Through the GIL-keeping call when the device's primary context is current on
-    this thread (the common case: a few microseconds, and no other thread runs in
-    the middle of a handoff), else through cuda-bindings."""
+    this thread (the common case: a short call, and no other thread runs in the
+    middle of a handoff), else through cuda-bindings."""
     queries = _driver._queries
     if queries is not None and queries.record(_driver._primary_ints.get(ordinal), int(event), stream):
         return
