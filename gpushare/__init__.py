@@ -1,21 +1,13 @@
 """gpushare: multiprocessing for GPU buffers.
 
-``import gpushare as mp`` in place of ``import multiprocessing as mp``:
-every public name of :mod:`multiprocessing` is here, bound to gpushare's
-default context (spawn start method, gpushare Process and Manager), and
-buffers made by ``mp.Manager()`` travel through queues, pipes and process
-arguments as small descriptors that the receiver maps with no copy.
-multiprocessing's public submodules have counterparts here too
-(``gpushare.connection``, ``gpushare.pool``, ``import gpushare.queues`` ...):
-multiprocessing's names, with gpushare's objects where gpushare changes
-behaviour (the rule is in :mod:`gpushare._mirror`). They load on first use.
+``import gpushare as mp`` in place of ``import multiprocessing as mp``: every public name
+of :mod:`multiprocessing` is here, bound to gpushare's default context (spawn, gpushare's
+Process and Manager). Buffers made by ``mp.Manager()`` travel through queues, pipes and
+process arguments as small descriptors the receiver maps with no copy. multiprocessing's
+public submodules have counterparts (``gpushare.connection``, ... : :mod:`gpushare._mirror`).
 
-This module is only a facade: the implementation lives in private modules.
-Importing it costs about what importing :mod:`multiprocessing` costs: the
-names that need more (``Buffer``, ``BufferManager``, ``Ring``, the loader)
-load their modules when first used, and so do NumPy, the CUDA bindings and
-the lifetime service. It is also the one place where the seams between the
-layers are connected (:mod:`gpushare._seams`), in the block below.
+This module is the facade: ``__all__``, names loaded on first use, and the one block
+that connects the seams (:mod:`gpushare._seams`).
 """
 
 from __future__ import annotations

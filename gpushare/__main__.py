@@ -1,15 +1,9 @@
 """``python -m gpushare info [--json]``: what gpushare can do on this machine.
 
-Reports the versions (gpushare, Python, cuda-bindings, CUDA driver), the
-CUDA devices (ordinal, UUID, name, memory), which sharing backends each
-device supports and whether gpushare's copy kernel could be built for it
-(weight sync's copies; it is built here if not yet), the peer-access matrix, gpushare's start method, and
-whether file descriptors pass over a Unix socket (SCM_RIGHTS, which the fd
-based backends need; tried for real with a socket pair in this process).
-
-It never needs a GPU: without a driver or device it says why (the
-:class:`~gpushare.NoDeviceError` message) and still exits 0. Driver calls
-go through :mod:`gpushare._cuda` only.
+Reports versions (gpushare, Python, cuda-bindings, driver), CUDA devices, the backends each
+supports, whether the copy kernel builds for it, peer access, the start method, and whether
+fds pass over a Unix socket (tried for real). It never needs a GPU: without one it says why
+(:class:`~gpushare.NoDeviceError`'s message) and exits 0. Driver calls go through :mod:`gpushare._cuda`.
 """
 
 from __future__ import annotations

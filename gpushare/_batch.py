@@ -1,35 +1,12 @@
 """The layout of a batch in a slot: the worker's SlotWriter, the trainer's SlotArray.
 
-A worker's ``collate(samples, writer)`` places each array of a batch at the
-next ``ALIGN``-byte boundary of the slot (:meth:`SlotWriter.empty`, or a
-copy for arrays it made elsewhere) and :meth:`SlotWriter.layout` describes
-the batch as plain values: its structure (dicts, lists, tuples,
-namedtuples), each array as ``("array", offset, shape, dtype, tag)`` and
-anything else as ``("value", v)``. That description travels as the ring
-item's ``meta``; the trainer's :func:`build` turns it back into the same
-structure with a :class:`SlotArray` per array, each holding the ring item
-(so the slot) for as long as it, a view of it, or anything made from it
-without a copy lives. Exceptions from workers travel as a picklable payload
-(:func:`exception_payload`) and are raised again as their own type when
-that can be rebuilt (:func:`rebuild_exception`).
-
-Samples made on the CPU for a CUDA slot (decoded images, the common case)
-are not copied one by one, nor from pageable memory: the worker streams
-their bytes, in slot order, through page-locked *staging* of a fixed size
-(:meth:`SlotWriter.stacked`, which ``default_collate`` and the torch adapter
-use: each sample is copied once on the host, straight into staging).
-Staging is :data:`Staging.BUFFERS` areas of at most :data:`Staging.CHUNK`
-bytes, used in turn: when an area is full (or the next bytes go elsewhere in
-the slot) one asynchronous host-to-device copy takes it to its place in the
-slot, and the worker goes on filling the other area while it runs; an area
-is written again only once its previous copy is done (an event per area).
-All copies run on the legacy default stream -- the stream the ring records
-the slot's ready event on at ``publish()``, and the one its ``acquire()``
-makes wait for the trainer's reads of the slot -- so nothing waits for them
-on the host: the trainer orders its reads after the slot's event, as for
-any ring item. A worker's page-locked memory is so bounded by
-``BUFFERS * CHUNK`` whatever the batch size, and the CPU work of a batch
-overlaps the copies of its earlier chunks and of the batch before it.
+- In the worker, ``collate(samples, writer)`` places each array at the next ``ALIGN``-byte
+  boundary (:class:`SlotWriter`); :meth:`SlotWriter.layout` describes the batch as plain values,
+  sent as the ring item's ``meta``.
+- In the trainer, :func:`build` rebuilds the structure, a :class:`SlotArray` per array holding the item.
+- CPU samples for a CUDA slot go through page-locked :class:`Staging` on the legacy default stream.
+- Exceptions travel as :func:`exception_payload`, raised again by :func:`rebuild_exception`.
+The layout's form and why staging: docs/design.md, "The loader".
 """
 
 from __future__ import annotations

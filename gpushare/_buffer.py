@@ -1,20 +1,14 @@
 """Buffer: a typed window onto shared memory, and how it travels between processes.
 
-* In a process, a :class:`Buffer` views one :class:`~gpushare._memory.Memory`
-  (that process's single reference to an allocation) and takes a count on it;
-  the last Buffer released or collected drops the Memory, which gives the
-  reference back. ``release()`` is idempotent. Touching a released buffer
-  raises :class:`~gpushare._errors.BufferReleasedError`.
-* Between processes, a Buffer travels as the pickle of
-  ``(rebuild_buffer, (descriptor bytes,))`` with a new lease per pickling
-  (:func:`share_bytes`). ``Buffer.__reduce__`` gives it to every pickler
-  (:func:`reduce_buffer`; the Ray form in a process connected to Ray); the
-  Queue writes the same bytes itself (:func:`queue_pickle`) and reads them
-  back without the unpickler (:func:`from_queue_pickle`).
-
-The package's other modules reach a Buffer's memory through :func:`window`
-and :func:`memory_of`. Why each choice: docs/design.md, "Descriptors" and
-"A handoff, step by step".
+- In a process, a :class:`Buffer` views one :class:`~gpushare._memory.Memory` and takes a count
+  on it; the last Buffer gone drops the Memory. ``release()`` is idempotent; a released
+  buffer raises :class:`~gpushare._errors.BufferReleasedError`.
+- Between processes it travels as ``(rebuild_buffer, (descriptor bytes,))``, a new lease per
+  pickling (:func:`share_bytes`): ``Buffer.__reduce__`` asks :func:`reduce_buffer` (the Ray form
+  in a process connected to Ray); the Queue writes and reads the same bytes itself
+  (:func:`queue_pickle`, :func:`from_queue_pickle`).
+- Other modules reach a Buffer's memory through :func:`window` and :func:`memory_of`.
+Why: docs/design.md, "Descriptors" and "A handoff, step by step".
 """
 
 from __future__ import annotations

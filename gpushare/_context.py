@@ -1,21 +1,10 @@
 """Contexts: multiprocessing's contexts, with gpushare's Process and Manager.
 
-Mirrors :mod:`multiprocessing.context`. Each concrete context (``spawn``,
-``forkserver``, ``fork``) hands out gpushare Process classes, so anything
-built on ``ctx.Process`` starts gpushare workers, ``ctx.Pool()`` is gpushare's
-Pool (tasks and results pickled as a Process's arguments are, see
-gpushare._pool), ``ctx.Queue()``, ``ctx.JoinableQueue()`` and
-``ctx.SimpleQueue()`` are gpushare's queues, and ``ctx.Manager()`` returns a
-started :class:`~gpushare.BufferManager`. A ``concurrent.futures.ProcessPoolExecutor``
-given one of these contexts starts gpushare workers and carries lambdas too
-(its result queue is the context's SimpleQueue).
-
-The default context starts with **spawn** (CUDA cannot survive fork). It
-is separate from multiprocessing's own default: ``gpushare.set_start_method``
-never changes what plain ``multiprocessing`` does.
-
-Importing this module costs next to nothing beyond :mod:`multiprocessing`
-itself: the queue, Pool and Manager modules load when a context first makes one.
+- Mirrors :mod:`multiprocessing.context`. The ``spawn``, ``forkserver`` and ``fork`` contexts
+  hand out gpushare's Process, Pool, queues and a started :class:`~gpushare.BufferManager`,
+  so anything built on ``ctx.Process`` (a ``ProcessPoolExecutor`` too) starts gpushare workers.
+- The default context starts with spawn and is separate from multiprocessing's own.
+- The queue, Pool and Manager modules load when a context first makes one.
 """
 
 from __future__ import annotations

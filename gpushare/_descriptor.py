@@ -1,22 +1,14 @@
-"""Descriptors: the small immutable value a shared buffer travels as.
+"""Descriptors: the small immutable value a shared buffer travels as. It names memory, never carries it.
 
-A descriptor names memory, never carries it. Its wire form is bytes::
+Wire form::
 
     magic "GPSH" | version u8 | backend u8 | flags u16
     owner token (16 bytes) | alloc id u64 | generation u32 | lease id u64
     alloc size u64 | offset u64 | device uuid (16 bytes)
-    length-prefixed: owner address, backend handle, dtype string, ready event
-                     (64-byte IPC event handle; empty on the host)
-    ndim u8, shape i64 * ndim
-    crc32 of everything before it, u32
+    length-prefixed: owner address, backend handle, dtype string, ready event (64 bytes or empty)
+    ndim u8, shape i64 * ndim | crc32 of everything before it, u32
 
-The owner token says which Manager issued it (and keys every cache), the
-owner address is where its lifetime service listens, the lease id is the
-reference this particular pickling took, and the ready event (CUDA
-buffers) was recorded on the producer's default stream when the buffer was
-pickled: the consumer orders its work after it. :func:`Descriptor.from_bytes`
-checks every field and raises :class:`~gpushare._errors.DescriptorError`
-saying what was wrong, so corrupt or truncated bytes never reach a driver.
+:meth:`Descriptor.from_bytes` checks every field and raises DescriptorError; fields: docs/design.md, "Descriptors".
 """
 
 from __future__ import annotations

@@ -1,52 +1,10 @@
 """The error hierarchy of gpushare, split by cause.
 
-Every exception raised on purpose by gpushare derives from
-:class:`GpushareError`, and each subclass says *who* broke what:
-
-* :class:`CUDAError` -- the CUDA driver refused a call (it carries the
-  driver's error name and text).
-* :class:`OutOfMemoryError` (also a :class:`MemoryError`) -- no room for an
-  allocation, after the Manager freed its pool of unused allocations on
-  that device and tried again: :class:`CUDAOutOfMemoryError` on a GPU
-  (also a :class:`CUDAError`), the base class itself for host memory.
-* :class:`NoDeviceError` -- no driver, no GPU, or a device that does not exist.
-* :class:`BufferReleasedError` -- closed by you: the buffer was released in
-  this process and its memory may no longer be touched from here.
-* :class:`ManagerClosedError` -- closed by you: the Manager was shut down.
-* :class:`OwnerGoneError` -- broken by the peer: the process that owns the
-  memory exited or can no longer be reached.
-* :class:`RingClosedError` -- a :class:`~gpushare.Ring` was closed: by its
-  producer (a consumer's ``get()`` after the last item), or by you (the
-  producer's ``acquire()``/``publish()`` after ``close()``). A producer
-  that *died* shows as :class:`OwnerGoneError` instead.
-* :class:`TensorSetClosedError` -- a :class:`~gpushare.TensorSet` was
-  closed by the trainer: a reader's ``latest()``/``wait()`` once no
-  version it can still take is left, or the trainer's ``publish()``/
-  ``draft()`` after ``close()``. A trainer that *died* shows as
-  :class:`OwnerGoneError` instead.
-* :class:`LayoutError` (also a :class:`ValueError`) -- a tensor set's
-  layout is invalid, or tensors given for it do not match it (a name
-  missing or unknown, a shape, dtype or size that differs, memory that is
-  not contiguous or not writable).
-* :class:`LoaderError` -- a :class:`~gpushare.SlotLoader` cannot go on:
-  a worker could not start, a batch does not fit its slot, or this
-  process holds every slot of the worker whose batch comes next. (A
-  worker that *died* shows as :class:`OwnerGoneError`.)
-* :class:`DescriptorError` -- a descriptor is corrupt, truncated, from an
-  incompatible version, or names a lease the owner does not know.
-* :class:`StartMethodError` -- a start method that cannot work with CUDA.
-* :class:`MainGuardError` (also a :class:`StartMethodError`) -- a process
-  was started while a child was still importing the main module: the
-  script starts processes outside an ``if __name__ == "__main__":`` guard.
-  Raised in that child, which then exits at once (exit code 78); a Pool
-  or Manager whose process exited so raises it in the parent too.
-* :class:`BackendUnavailableError` -- a backend this machine cannot run.
-* :class:`WaitTimeoutError` (also a :class:`TimeoutError`) -- a wait you
-  bounded with ``timeout=`` ran out: a ring's ``acquire()``, ``publish()``
-  or ``get()``, a loader's next batch, a tensor set's ``publish()``, ``draft()`` or
-  ``wait()``. The message says what it waited for and who held what.
-
-Messages say what was wrong, what is valid, and what to do.
+- Every exception gpushare raises on purpose derives from :class:`GpushareError`.
+- Each subclass says who broke what: the driver, you (closed), the peer (gone), bad bytes,
+  the start method, a wait that ran out. Each class's docstring says when it is raised.
+- Messages say what was wrong, what is valid, and what to do.
+- This module imports nothing of gpushare. The table: docs/design.md, "Errors".
 """
 
 from __future__ import annotations
@@ -100,7 +58,12 @@ class CUDAError(GpushareError):
 
 
 class OutOfMemoryError(GpushareError, MemoryError):
-    """No room for an allocation (device or host shared memory)."""
+    """No room for an allocation (device or host shared memory).
+
+    Raised after the Manager freed its pool of unused allocations on that
+    device and tried again: :class:`CUDAOutOfMemoryError` on a GPU, this class
+    itself for host memory.
+    """
 
 
 class CUDAOutOfMemoryError(CUDAError, OutOfMemoryError):
@@ -124,23 +87,41 @@ class OwnerGoneError(GpushareError, ConnectionError):
 
 
 class RingClosedError(GpushareError, EOFError):
-    """The ring was closed: no more items will come (consumer), or none may be published (producer)."""
+    """The ring was closed: no more items will come (consumer), or none may be published (producer).
+
+    Closed by its producer: a consumer's ``get()`` after the last item. Closed
+    by you: the producer's ``acquire()`` or ``publish()`` after ``close()``. A
+    producer that *died* shows as :class:`OwnerGoneError` instead.
+    """
 
 
 class TensorSetClosedError(GpushareError, EOFError):
-    """The tensor set was closed by its trainer: no newer version will come (reader), or none may be published."""
+    """The tensor set was closed by its trainer: no newer version will come (reader), or none may be published.
+
+    A reader's ``latest()`` or ``wait()`` raises it once no version it can
+    still take is left; the trainer's ``publish()`` or ``draft()`` after
+    ``close()``. A trainer that *died* shows as :class:`OwnerGoneError` instead.
+    """
 
 
 class LayoutError(GpushareError, ValueError):
-    """A tensor set's layout is invalid, or tensors given for it do not match it (name, shape, dtype, size, memory)."""
+    """A tensor set's layout is invalid, or tensors given for it do not match it.
+
+    A name missing or unknown, a shape, dtype or size that differs, memory that
+    is not contiguous or not writable.
+    """
 
 
 class LoaderError(GpushareError, RuntimeError):
-    """A SlotLoader cannot go on (a worker failed to start, a batch too large for its slot, every slot held)."""
+    """A SlotLoader cannot go on (a worker failed to start, a batch too large for its slot, every slot held).
+
+    "Every slot held": this process holds every slot of the worker whose batch
+    comes next. A worker that *died* shows as :class:`OwnerGoneError`.
+    """
 
 
 class DescriptorError(GpushareError, ValueError):
-    """A buffer descriptor is corrupt, truncated, foreign or stale."""
+    """A buffer descriptor is corrupt, truncated, of another version, or stale (a lease the owner does not know)."""
 
 
 class StartMethodError(GpushareError, RuntimeError):
@@ -153,7 +134,9 @@ class MainGuardError(StartMethodError):
     A child started with spawn (gpushare's default) or forkserver imports the
     main module again, so a script that starts processes at its top level,
     outside ``if __name__ == "__main__":``, would start them again in every
-    child. The message names the line and the fix.
+    child. The message names the line and the fix. Raised in that child, which
+    then exits at once (exit code 78); a Pool or Manager whose process exited
+    so raises it in the parent too.
     """
 
 
@@ -162,7 +145,11 @@ class BackendUnavailableError(GpushareError, RuntimeError):
 
 
 class WaitTimeoutError(GpushareError, TimeoutError):
-    """A wait bounded by ``timeout=`` ran out; the message says what it waited for and who held what."""
+    """A wait bounded by ``timeout=`` ran out; the message says what it waited for and who held what.
+
+    A ring's ``acquire()``, ``publish()`` or ``get()``, a loader's next batch,
+    a tensor set's ``publish()``, ``draft()`` or ``wait()``.
+    """
 
 
 class LeakWarning(ResourceWarning):

@@ -1,18 +1,11 @@
 """Zero-copy views of a Buffer for other libraries.
 
-* ``__cuda_array_interface__`` version 3 (torch, CuPy, Numba, JAX): the
-  pointer, shape and ``typestr``; ``strides`` None (C order). In a consumer
-  that has not yet waited for the producer's ready event, ``stream`` is a
-  stream of this process made to wait on that event, and the consumer
-  orders its own stream after it (the v3 protocol); otherwise None.
-* ``__dlpack__(stream=s)``: the consumer's stream ``s`` is made to wait on
-  the ready event; ``stream=None`` waits on the host; ``-1`` does not wait.
-* DLPack (``torch.from_dlpack``, ``cupy.from_dlpack``, ``jax.dlpack``): on
-  the host backend NumPy's own exporter over the zero-copy view; on CUDA a
-  ``DLManagedTensor`` built here with ctypes in a capsule named
-  ``"dltensor"``. The tensor keeps a Buffer (a count on the memory) alive
-  until the consumer calls the deleter, so the consumer's tensor stays
-  valid even after the user releases the original Buffer.
+- ``__cuda_array_interface__`` v3: pointer, shape, ``typestr``, C order; ``stream`` is a stream
+  of this process made to wait on the producer's ready event while not yet waited, else None.
+- ``__dlpack__(stream=s)``: stream ``s`` waits on the ready event; ``None`` waits on the host;
+  ``-1`` does not wait.
+- DLPack on the host is NumPy's exporter; on CUDA a ``DLManagedTensor`` built with ctypes,
+  in a ``"dltensor"`` capsule, holding a Buffer until the consumer calls the deleter.
 """
 
 from __future__ import annotations

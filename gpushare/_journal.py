@@ -1,71 +1,13 @@
-"""The lease journal: a consumer's claims and releases, in shared memory.
+"""The lease journal: a consumer link's claims and releases, in shared memory (``memfd``).
 
-A buffer handed over in steady state (an allocation the consumer already
-maps) needs the owner to learn two things eventually: the consumer claimed
-the lease, and later released it. Sending a socket message for each wakes
-a writer thread in the consumer and a service thread in the owner per
-handoff; on a busy producer that costs more than the handoff itself. So
-each consumer link keeps a journal instead:
-
-* the consumer makes an anonymous shared-memory file (``memfd_create``),
-  maps it, and sends its descriptor to the owner once, with SCM_RIGHTS,
-  right after its ``hello``;
-* it appends one record per claim or release, in the order they happen;
-* the owner consumes the records whenever it needs current lease state:
-  before it allocates, shares, reports stats, expires leases (every
-  0.2 s), shuts down, handles any socket message from that consumer, and
-  when the consumer's connection closes (so a consumer that dies leaves
-  no record unread).
-
-Layout (little-endian)
-----------------------
-offset 0: ``u64 tail``, written only by the owner: how many records it
-has consumed. Offset 64: ``CAPACITY`` records of ``u64 value | u64 check``;
-record *n* lives at ``64 + 16 * (n % CAPACITY)``. ``value`` is
-``lease_id << 1 | kind`` (kind 0 = claim, 1 = release) and ``check`` is
-``value ^ stamp(n)``, where ``stamp(n) = (n * K ^ SALT) mod 2**64`` for
-an odd 64-bit ``K``: one multiplication, since every record costs it twice
-(written by the consumer, checked by the owner).
-
-Why no head counter and no memory barrier
------------------------------------------
-Only the consumer writes records and only the owner writes ``tail``. The
-owner consumes record ``tail`` only if its check matches its sequence
-number ``tail``: a record still being written, or left from the previous
-lap round the file, does not match and is read again later. So a record
-is published by being complete, not by a separate counter that another
-CPU might see before the record itself. The consumer writes record *n*
-only while ``n - tail < CAPACITY`` (it never overwrites a record the owner
-has not consumed); the owner stores the new ``tail`` only after reading
-and checking the records it covers (a store that depends on those loads),
-so the consumer cannot see the slot as free before it was read.
-
-What the owner can find in slot *n* instead of record *n*, and why the
-check refuses it (each 8-byte half is stored whole):
-
-* record *n - CAPACITY*, whole: its check holds ``stamp(n - CAPACITY)``,
-  which differs from ``stamp(n)`` because ``CAPACITY * K`` is not 0
-  modulo 2**64 (K is odd);
-* the new value beside the old check: it would pass only if the two values
-  differed by ``stamp(n) ^ stamp(n - CAPACITY)``, which is ``x ^ (x - CAPACITY
-  * K)`` for ``x = n * K``. Modulo 2**64, subtracting ``CAPACITY * K`` adds a
-  number between 2**60 and 2**61, which always changes bits 60-63: the two
-  values would differ by at least 2**60, a lease id of 2**59;
-* the old value beside the new check: it passes only if the two values are
-  equal, and then it is the right value;
-* zeros (the first lap): ``stamp(n)`` is at least 2**49 for every *n* below
-  ``CAPACITY``, so neither an empty slot nor a new value beside a zero
-  check passes (tests/test_journal.py checks these bounds).
-
-Back-pressure
--------------
-When a quarter of the journal is unconsumed the consumer nudges the owner
-with a ``("drain",)`` socket message (at most once per quarter). When it
-is full, the consumer's writer thread holds the records back, nudges and
-retries; nothing is dropped and nothing is written out of order.
-
-Where ``memfd_create`` is missing, the link falls back to sending the same
-records as batched socket messages.
+- The consumer (:class:`JournalWriter`) appends one record per claim or release, in order;
+  the fd goes to the owner once, by SCM_RIGHTS, right after the link's ``hello``.
+- The owner (:class:`JournalReader`) reads the records whenever it needs current lease
+  state, and alone writes ``tail``.
+- Layout (little-endian): ``u64 tail`` at 0; from 64, ``CAPACITY`` records
+  ``u64 value | u64 check``, ``value = lease_id << 1 | kind``, ``check = value ^ stamp(n)``.
+- A record counts once its check matches its sequence number: no head counter, no barrier.
+Why that is safe, and back-pressure: docs/design.md, "The lease journal".
 """
 
 from __future__ import annotations

@@ -1,74 +1,13 @@
 """SlotLoader: dataset batches built by worker processes straight into pre-shared slots.
 
-Who owns what
--------------
-The trainer (the process iterating) owns the memory: the loader makes an
-:class:`~gpushare._lifetime._owner.Owner` in the trainer's own process (or
-allocates from ``manager=``, a started Manager of either owner mode) and no
-server process. Workers allocate their rings' slots from it by ``alloc``
-requests (:class:`~gpushare._manager.RemoteAllocator`), so a worker that dies
-takes no memory the trainer still uses, and the trainer reads its batches
-in its own memory: it maps nothing and opens no handle.
-
-The data flow, per epoch (one ``iter(loader)``):
-
-* The trainer starts ``num_workers`` gpushare Processes at once (with
-  ``persistent_workers=True``, only for the first epoch): forks of
-  multiprocessing's forkserver, which imported the worker's module, numpy
-  and torch once and never initialises CUDA (:mod:`gpushare._loader_workers`; GPU
-  workers are spawned while no forkserver runs, and it starts after their
-  first batch). It sends each a
-  *task* per batch, ``(epoch, sequence, indices)`` on that worker's queue,
-  round robin (batch ``s`` goes to worker ``s % num_workers``), at most
-  ``prefetch`` ahead per worker. On a GPU it readies its own CUDA context on
-  a thread meanwhile: the first slot a worker asks for needs it.
-* Each worker makes its own ring (``slots`` buffers of ``slot_bytes``
-  bytes, windows of one allocation) and sends it to the trainer on the control queue once; the trainer
-  unpickles it and so registers as its one consumer. For every task the
-  worker fetches the samples, acquires a free slot, and ``collate`` writes
-  the batch into it through a :class:`~gpushare._batch.SlotWriter` (samples
-  made on the CPU for a CUDA slot go through page-locked staging and one
-  asynchronous copy: see :mod:`gpushare._batch`). The worker publishes the
-  slot with the batch's *layout* as the ring item's ``meta``. Without
-  ``slot_bytes`` the first batch is built in scratch buffers, the ring is
-  sized from it, and the batch is copied into slot 0; the scratch buffers are
-  *transient* allocations, which the Owner frees once unused instead of
-  pooling them (no later request asks for their sizes).
-* The trainer reads worker ``s % num_workers``'s ring for batch ``s``, so
-  batches come in sampler order, and rebuilds the structure with a
-  :class:`~gpushare._batch.SlotArray` per array, holding the ring item. The
-  slot goes back to its worker when the last reference to the batch (its
-  arrays, their views, tensors made from them) is gone; so memory is bounded
-  by ``num_workers * slots`` slots (and, for CPU samples into CUDA slots,
-  two areas of page-locked staging per worker, of at most 4 MiB each).
-
-Persistent workers: the workers and their rings stay for the loader's life;
-a new epoch sends its tasks to the same queues. An epoch left early leaves
-tasks behind: the epoch counter the workers share tells them those are
-stale, so they publish a ``skip`` instead of building them, and the trainer
-drops whatever of an earlier epoch arrives before this epoch's batches.
-
-Errors: an exception in a worker (in the dataset, ``collate``, a batch
-larger than its slot) travels in order as that batch's item (or on the
-control queue before the worker has a ring) and is raised in the trainer
-with the worker's traceback, as its own type when that can be rebuilt;
-the next ``next()`` goes on with the following batch. A worker that dies
-is an :class:`~gpushare.OwnerGoneError` naming it (a persistent loader
-starts new workers at its next epoch). A trainer that holds every slot of
-the worker it waits for would wait forever: that is a
-:class:`~gpushare.LoaderError` saying what to do instead.
-
-Stopping clean. The workers stop when their epoch ends (the last batch, the
-iterator closed or collected, ``break``), or, when persistent, when the
-loader is closed (``close()``, ``with``), garbage-collected or the
-interpreter exits: the stop event is set, workers are joined (a worker
-waiting for a slot polls the event) and, past a bound, terminated; only then
-does the trainer leave their rings, because leaving frees the slots it holds
-and a running worker could rewrite a batch the trainer keeps. The loader's
-Owner and its memory go when the loader *and* every batch it handed out are
-gone (each batch holds the loader's :class:`_Resources`): a batch still held
-stays valid. Workers also stop when the trainer's process is gone (their
-task queue says so, and they poll).
+- The trainer owns the memory: an Owner in its process (or ``manager=``); workers allocate
+  their rings' slots from it by ``alloc`` requests (:class:`~gpushare._manager.RemoteAllocator`).
+- Per epoch: workers start (:mod:`gpushare._loader_workers`); batch ``s``'s task goes to worker
+  ``s % num_workers``, at most ``prefetch`` ahead; each worker builds it into a free slot of its
+  ring and publishes it with its layout (:mod:`gpushare._batch`); the trainer reads in order.
+- A worker's exception is raised at its batch; a dead worker is OwnerGoneError.
+- Stop: workers first, then their rings; memory goes with the loader and its last batch.
+Data flow, errors and stopping: docs/design.md, "The loader".
 """
 
 from __future__ import annotations

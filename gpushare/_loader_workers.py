@@ -1,29 +1,12 @@
 """A loader's worker processes: how they start, what each one runs, and how they stop.
 
-How workers start (:func:`worker_context`, ``multiprocessing_context``). By
-default they are forked from multiprocessing's forkserver. It is started
-once per process with a preload list (this module, and numpy, torch and
-cuda.bindings where the trainer has them; never the main script), so every
-worker after it is a fork that has made those imports already. Nothing in
-the list initialises CUDA, so the forked workers make their own contexts.
-A worker bound to a GPU spawned instead makes its context on a thread while
-it imports (gpushare's ``Process(device=...)``); a forked one cannot, its
-imports being made before the fork. So while no forkserver runs a loader
-with GPU workers spawns them, and its epoch starts the forkserver once the
-first batch is in (:func:`start_forkserver`), for the next epochs' and
-loaders' workers; a host loader forks from the first. A script can start
-it earlier (:func:`prepare_loaders`), so that its first GPU loader forks
-as well. The forkserver is
-multiprocessing's own, one per process for its life; it keeps the
-environment it started with (``"spawn"`` where that matters).
-
-What each worker runs (:func:`_worker_main`): it links to the trainer's
-allocator, makes its ring from the first batch, and builds each task's
-batch into a free slot of it, as :mod:`gpushare._loader` describes.
-
-How they stop (:func:`stop_workers`): the stop event, one ``None`` task
-each, a join with a bound, then terminate and kill; only then are their
-rings left, since leaving frees the slots the trainer holds.
+- Start (:func:`worker_context`): forks of multiprocessing's forkserver, preloaded once
+  (:func:`start_forkserver`, :func:`prepare_loaders`); GPU workers spawn while none runs.
+- Run (:func:`_worker_main`): link to the trainer's allocator, make the ring from the first
+  batch, build each task's batch into a free slot of it.
+- Stop (:func:`stop_workers`): the stop event, a ``None`` task each, a bounded join, then
+  terminate and kill; only then are their rings left.
+Why: docs/design.md, "The loader".
 """
 
 from __future__ import annotations
@@ -243,16 +226,10 @@ def worker_context(choice: Any, gpu: bool = False) -> tuple[Any, bool]:
 
     ``None``: the forkserver where the platform has one, else gpushare's default context;
     spawn once the forkserver failed to start in this process (:func:`start_forkserver`).
-    A worker forked from the forkserver skips the interpreter's start and the imports
-    the forkserver made once (torch, for a dataset): each worker costs a fork instead
-    of a spawn, and a new loader per epoch starts its workers in a fraction of a second.
-    The forkserver never touches CUDA, so its children can. Workers bound to a GPU
-    (``gpu``) make their CUDA context while they import, which a forked worker cannot
-    (its imports were made before): while no forkserver runs, those are spawned and the
-    forkserver starts once their first batch is in, for the next epoch's workers, so a
-    first loader waits for no forkserver. A name (``"spawn"``,
-    ``"forkserver"``) or a context (gpushare's or multiprocessing's) picks the start
-    method itself.
+    While no forkserver runs, GPU workers (``gpu``) are spawned, and the forkserver starts
+    once their first batch is in. A name (``"spawn"``, ``"forkserver"``) or a context
+    (gpushare's or multiprocessing's) picks the start method itself. Why: docs/design.md,
+    "The loader".
     """
     import multiprocessing
 
@@ -291,7 +268,7 @@ _forkserver_failed: list[str] = []  # why the forkserver could not start, once i
 
 
 def start_forkserver() -> bool:
-    """Start multiprocessing's forkserver now (a few milliseconds here; it imports in its own process);
+    """Start multiprocessing's forkserver now (quick here: it imports in its own process);
     False, with a warning, where it cannot start: loaders left to their default then spawn their
     workers, and it is not tried again in this process."""
     from multiprocessing import forkserver

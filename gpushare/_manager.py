@@ -1,29 +1,12 @@
 """The Manager: a multiprocessing SyncManager that also owns shared buffers.
 
-``dict()``, ``list()``, ``Queue()`` and the rest work exactly as in
-:mod:`multiprocessing` (they are served by the usual manager server
-process). Buffers are different. By default (``owner="process"``) they are
-allocated *in the process that created the Manager*, which owns them, and
-their lifetime is run by the :class:`~gpushare._lifetime._owner.Owner` service in
-that process (see that module for the lease protocol), made with the first
-buffer. With ``owner="server"`` the Owner lives in the manager's server
-process instead and every Buffer a client holds is a lease on server memory,
-so buffers outlive the process that asked for them (see
-:mod:`gpushare._manager_server`). In both modes the server process ends when
-the process that started it dies without shutting it down.
-
-Sizes are rounded up to a multiple of 2 MiB so that no two buffers ever
-share an exported driver allocation, and freed allocations go to a
-size-class pool keyed by (backend, device, rounded size).
-
-Starting costs what the stdlib's Manager costs plus a little: this module
-imports only what a SyncManager needs, and the buffer machinery (NumPy, the
-backends, the lifetime service, the ring) loads with the first buffer.
-
-Shutting down: :meth:`BufferManager.shutdown`, leaving a ``with`` block,
-garbage collection of the Manager, or interpreter exit. The finalizer that
-does it refers to nothing that refers back to the Manager, so a Manager
-nobody references is collected, and shut down, at once.
+- ``dict()``, ``list()``, ``Queue()`` and the rest are the stdlib's, served by its server process.
+- Buffers: with ``owner="process"`` (default) an Owner in the creating process allocates them,
+  made with the first buffer; with ``owner="server"`` the server's Owner does
+  (:class:`RemoteAllocator`, :mod:`gpushare._manager_server`).
+- Sizes round up to :data:`GRANULARITY` (2 MiB); the buffer machinery loads with the first buffer.
+- Shutdown: :meth:`BufferManager.shutdown`, ``with``, garbage collection or exit (a finalizer).
+Modes and lifetimes: docs/design.md, "Who owns the memory".
 """
 
 from __future__ import annotations
@@ -72,7 +55,7 @@ def _allocation_request(shape: Any, dtype: Any, device: Any, backend: str | None
         raise OutOfMemoryError(f"shape {dims} of {dt} needs {nbytes} bytes, more than any device holds")
     chosen, ordinal = _backends.resolve(device, backend)
     name = _DTYPE_NAMES.get(dt)
-    if name is None:  # NumPy formats a dtype's name slowly: a few microseconds per buffer
+    if name is None:  # NumPy formats a dtype's name slowly, and every buffer asks
         name = _DTYPE_NAMES.setdefault(dt, str(dt))
     label = f"{dims} {name} on {'cpu' if ordinal is None else f'cuda:{ordinal}'}"
     return chosen, ordinal, dims, dt, round_size(nbytes), label

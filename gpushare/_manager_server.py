@@ -1,47 +1,13 @@
 """The Manager's server process: its watchdog, and server-owned buffers.
 
-A :class:`~gpushare.BufferManager` is a SyncManager, so ``start()`` spawns
-a server process (the one that serves ``m.dict()``, ``m.Queue()`` and the
-rest). gpushare runs :func:`server_init` there, before the server starts
-serving, and adds two things.
+:func:`server_init` runs in the server before it serves.
 
-Watchdog
---------
-The stdlib server serves until it is told to shut down. If the process
-that started it dies without doing so (SIGKILL, ``os._exit``, a crash), it
-would serve forever, an orphan nobody can reach. The watchdog waits on the
-parent's sentinel (or polls ``getppid()`` where there is none); when the
-parent is gone it removes the parent's leftover socket directories (those
-named for its pid whose socket no longer answers) and unlinks the host
-segments the parent made (their names carry its pid; processes that map
-one keep it until they unmap), and ends the server:
-
-* ``owner="process"`` (the default): at once;
-* ``owner="server"``: once no lease on the server's memory is held (or
-  waiting to be claimed), so consumers keep their buffers for as long as
-  they hold them, and not a moment longer.
-
-Server-owned buffers (``Manager(owner="server")``)
---------------------------------------------------
-The memory belongs to an :class:`~gpushare._lifetime._owner.Owner` that lives in
-the server process, made on first use (:func:`owner_info`: a process-owned
-Manager's server never loads the lifetime service at all). A client learns
-the owner's address and token with one manager call, then talks to it like
-any consumer of any owner, over its link: ``m.empty()`` is an ``alloc``
-request, answered with the descriptor of new memory under a lease for the
-caller, which claims it. The caller's Buffer is a lease like any
-consumer's, and the server keeps no reference of its own, so the memory
-lives exactly as long as some process holds it, whether or not the process
-that asked for it is still alive: a trainer can die, and inference workers
-keep their weights.
-
-The client names a CUDA device by UUID (ordinals differ between processes
-with different ``CUDA_VISIBLE_DEVICES``). ``m.stats()`` and ``m.trim()``
-are requests on the same link; ``m.shutdown()`` first closes the client's
-own link to the server's owner (its buffers become unusable: the memory is
-about to be freed), then asks the owner to shut down over a fresh link
-(bounded wait for other processes' leases; its leak warnings come back and
-are raised again in the client), then stops the server.
+- Watchdog: when the process that started the server dies without shutting it down, it
+  removes that process's leftovers and ends the server (at once, or with ``owner="server"``
+  once no lease on its memory is held).
+- ``owner="server"``: the server's Owner, made on first use (:func:`owner_info`), allocates for
+  clients by ``alloc`` requests; each client Buffer is a lease, and the server keeps no reference.
+Protocol: docs/design.md, "Who owns the memory".
 """
 
 from __future__ import annotations

@@ -1,28 +1,13 @@
 """How gpushare's public submodules mirror multiprocessing's.
 
-For each public submodule of :mod:`multiprocessing` (listed in the
-facade, ``gpushare._SUBMODULES``) there is a ``gpushare.<name>``, a small
-real module, so that code written for multiprocessing switches by its
-import line alone: ``import gpushare.connection``, ``from gpushare.pool
-import Pool`` and ``gpushare.queues`` (loaded on first use by the facade)
-all work. Each applies one rule, through :func:`mirror`:
+Each ``gpushare.<name>`` (``gpushare._SUBMODULES``) is a small real module that calls
+:func:`mirror`, which applies one rule:
 
-* every public name of ``multiprocessing.<name>`` (no leading underscore;
-  the modules it imports aside) is there, the stdlib's own object;
-* a name that is also one of multiprocessing's top-level names, for the
-  same object (``get_context``, ``Process``, ``TimeoutError`` ...), is
-  gpushare's top-level object of that name, bound to gpushare's default
-  context;
-* where gpushare changes behaviour, the module defines gpushare's object
-  under the stdlib's name before it calls :func:`mirror`, which keeps it,
-  and it may add names of its own (each module's docstring lists both).
-  ``__all__`` is the stdlib module's plus those additions.
-
-Left out (``gpushare._LEFT_OUT``): the modules that implement start
-methods and resource bookkeeping (``forkserver``, ``heap``, ``popen_*``,
-``resource_sharer``, ``resource_tracker``, ``spawn``), which the Python
-documentation does not describe as interfaces and gpushare uses unchanged.
-Import them from multiprocessing (``gpushare.spawn`` says so).
+- every public name of ``multiprocessing.<name>`` is there (its imported modules aside);
+- a top-level name of multiprocessing, for the same object, is gpushare's top-level object;
+- any other is the stdlib's own object, except gpushare's, defined before :func:`mirror` runs.
+``__all__`` is the stdlib module's plus gpushare's additions. Left out (``gpushare._LEFT_OUT``):
+the start-method and bookkeeping modules (docs/multiprocessing.md lists them).
 """
 
 from __future__ import annotations

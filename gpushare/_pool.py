@@ -1,40 +1,12 @@
 """Pool and ProcessPoolExecutor: work pickled as a Process's arguments are.
 
-multiprocessing's Pool sends each task down a pipe with its ForkingPickler
-and its workers send results back the same way, so ``pool.map(lambda x: ...,
-...)`` fails where ``Process(target=lambda: ...)`` works. gpushare's
-:class:`Pool` sends both with :func:`gpushare._process.dumps` instead:
-multiprocessing's pickling, byte for byte, for what it carries, and
-cloudpickle's for what only cloudpickle carries (lambdas, closures, nested
-functions, functions of an interactive session), so the three ways of
-running a function in another process -- ``Process``, ``Pool`` and
-``concurrent.futures.ProcessPoolExecutor(mp_context=gpushare.get_context())``
--- accept the same functions:
-
-* tasks: the Pool's task pipe is a :class:`_TaskQueue`, whose ``send`` (the
-  Pool's ``_quick_put``) pickles with ``dumps``;
-* results: the workers put them on a gpushare
-  :class:`~gpushare._queues.SimpleQueue`, which pickles with ``dumps`` too;
-* an executor builds its call queue itself (a multiprocessing Queue, whose
-  feeder thread pickles with ForkingPickler), so the executor's call items
-  get a reducer of their own, registered with ForkingPickler by
-  :func:`carry_executor_calls` when a gpushare context first makes an
-  executor's result queue. It pickles a call item's function and
-  arguments with ``dumps``, which writes multiprocessing's pickle for what
-  that carries: other executors of the process accept lambdas from then on
-  too, and nothing else changes for them. The results come back through
-  gpushare's SimpleQueue.
-
-A worker that exits with :data:`~gpushare._process.MAIN_GUARD_EXIT` was
-stopped while it imported a main module that starts processes at its top
-level (no ``if __name__ == "__main__":`` guard). Starting another would fail
-the same way, and multiprocessing's Pool does so forever. Here the Pool
-starts no more workers: every task it was given, and every task it is given
-later, fails with :class:`~gpushare.MainGuardError`, so ``map()`` raises it
-at once. This is done where the Pool starts its workers, ``Pool.Process``:
-the one part of the Pool that its worker handler thread reaches
-(multiprocessing starts that thread with its own class's
-``_handle_workers``, which a subclass cannot replace).
+- :class:`Pool` sends tasks through a :class:`_TaskQueue` whose ``send`` pickles with
+  :func:`gpushare._process.dumps`; workers return results on gpushare's SimpleQueue.
+- An executor's call items get a reducer of their own (:func:`carry_executor_calls`),
+  registered with ForkingPickler when a gpushare context first makes an executor's result queue.
+- A worker that exits with ``MAIN_GUARD_EXIT`` stops the Pool starting workers: every task,
+  given before or after, fails with MainGuardError (done in ``Pool.Process``).
+Why: docs/design.md, "Pool and executors".
 """
 
 from __future__ import annotations

@@ -1,44 +1,13 @@
 """Process(..., device=...): a multiprocessing Process that is safe with CUDA.
 
-What it adds to :class:`multiprocessing.Process`:
-
-* ``device=`` binds the worker to a CUDA device before the target runs:
-  the device's primary context is made current (the CUDA runtime, and so
-  torch and CuPy, pick it up), ``GPUSHARE_DEVICE`` is set so gpushare's own
-  defaults follow, and libraries already imported are told too.
-* The process object (target, arguments, attributes) travels to a spawned
-  or forkserver child in one pickle stream made by :func:`dumps`. When
-  everything in it can go by reference -- the usual case: a module-level
-  target, the main module's functions when the child re-imports that module
-  -- that stream is exactly what multiprocessing's ``ForkingPickler`` writes,
-  and neither process imports cloudpickle (an import that would be a measurable
-  share of a child's start: the `startup` benchmark scenario). Otherwise (lambdas,
-  closures, functions of an interactive session or of ``python -c``) it is
-  cloudpickle's, so those travel by value, with every reducer registered with
-  ``ForkingPickler`` in its dispatch table (so queues, pipes, locks,
-  ``Value``/``Array``/``Barrier``, buffers, torch tensors -- whatever
-  multiprocessing itself would carry -- travel as they always do). Which one
-  is decided by a dry run with every registered reducer stubbed out, so that
-  deciding takes no lease, duplicates no fd and moves no tensor into shared
-  memory; when it stubbed none, its pickle is the answer (one pass, the
-  usual task or result). One stream keeps object identity: a target's
-  ``self`` that is also in ``args`` arrives as one object. gpushare's
-  queues, its Pool (tasks and results) and a ProcessPoolExecutor given its
-  context pickle with :func:`dumps` too, so all of them carry what a
-  Process carries.
-* ``start()`` refuses the fork start method once CUDA is initialised in
-  this process: a forked child cannot use CUDA, and the error says what to
-  use instead. It checks ``device=N`` in the parent, before a child starts:
-  NoDeviceError when the child would not have that device. And in a child
-  that is still importing the main module (a script that starts processes
-  without ``if __name__ == "__main__":``) it raises MainGuardError, and the
-  child exits at once (see "a script without the main guard" below).
-* At exit the worker releases every buffer it still holds and closes its
-  connections, so the owner recycles the memory at once.
-
-A spawned child imports only what it unpickles: this module, the context's,
-and the target's own. The backends, the CUDA layer and the lifetime service
-load when a worker first touches a device or a buffer.
+- ``device=`` binds the worker to a CUDA device before the target runs.
+- The process object goes to a spawned or forkserver child as one stream made by
+  :func:`dumps`: ForkingPickler's bytes when everything goes by reference, else cloudpickle's
+  with ForkingPickler's reducers. gpushare's queues and Pool pickle with it too.
+- ``start()`` refuses fork after CUDA, checks ``device=`` in the parent, and in a child still
+  importing the main module raises MainGuardError (see "a script without the main guard").
+- At exit the worker releases every buffer it holds and closes its connections.
+Why: docs/design.md, "Processes and contexts".
 """
 
 from __future__ import annotations

@@ -1,66 +1,12 @@
-"""Queues that pickle at ``put()`` time.
+"""Queue, JoinableQueue and SimpleQueue that pickle in ``put()``.
 
-:class:`multiprocessing.Queue` pickles items later, in a feeder thread.
-For buffers that is a trap: ``q.put(buf); buf.release()`` would release
-the buffer before it was ever described, and the feeder thread would fail
-with nobody to see the error. gpushare's queues capture each item in
-``put()`` itself, so a buffer's lease is taken before ``put()`` returns,
-and an unpicklable item raises in the caller.
-
-What ``put()`` hands the feeder thread, and what travels:
-
-* an immutable plain value (None, a number, a string, bytes, or a small
-  tuple of those) cannot change before the feeder pickles it: it goes as it
-  is, and the feeder pickles it, as multiprocessing's does;
-* a Buffer: its wire form (:func:`gpushare._buffer.queue_pickle`, the
-  same pickle a Pipe or a Process argument carries), built in ``put()``;
-* anything else: pickled in ``put()`` as a Process's arguments are
-  (:func:`gpushare._process.dumps`): by multiprocessing's ForkingPickler,
-  with cloudpickle only for what it alone carries (lambdas, closures).
-
-The last two are :class:`_Pickled` bytes, which this queue's own feeder
-thread (:func:`_feed`) writes to the pipe as they are: each item is pickled
-exactly once. ``get()`` reads a buffer's descriptor straight out of its
-bytes (:func:`gpushare._buffer.from_queue_pickle`) and unpickles anything
-else, so what comes out of ``get()`` is always exactly what went in.
-
-``get()`` also ends when the process that created the queue is gone.
-With :mod:`multiprocessing`, a consumer waiting on a queue whose producer
-died waits forever (the consumer itself holds a write end of the pipe, so
-it never sees EOF), and a producer that returns waits forever at exit to
-join that consumer. Here, either way, the consumer's ``get()`` raises
-:class:`~gpushare._errors.OwnerGoneError` once it has received everything
-put before, and never before:
-
-* a creator that put items and exits normally puts an end-of-queue marker
-  behind them in its exit handlers (``EXIT_PRIORITY``, after the Manager's
-  shutdown told workers its buffers are gone). A consumer that reads it
-  waits ``EXIT_GRACE`` seconds more: items other processes still put are
-  delivered as usual (the marker goes back behind them); only when none
-  comes does ``get()`` raise. Either way the marker stays in the queue for
-  the next consumer;
-* a creator that is killed is noticed by a blocking ``get()``, which checks
-  every ``WATCH_INTERVAL`` seconds, once the queue is empty.
-
-That check also looks at the children this process started: one that exited
-with :data:`~gpushare._process.MAIN_GUARD_EXIT` stopped while it imported a
-main module without ``if __name__ == "__main__":``, so it never ran, and
-neither will any other child of the script. ``get()`` raises
-:class:`~gpushare.MainGuardError` instead of waiting forever for its items.
-
-A queue still fed by other living processes keeps working while items keep
-coming.
-
-:class:`SimpleQueue` is multiprocessing's, pickling its items the same way
-(in ``put()``, which it always did): it is the queue a Pool and a
-``ProcessPoolExecutor`` given gpushare's context move tasks and results
-through, so those carry lambdas and closures as a Process does.
-
-Watching makes every blocking ``get()`` one with a timeout, which in the
-stdlib polls the pipe through a new selector per call (about as much CPU
-as the rest of a small get). The queue polls its pipe with one
-``select.poll`` object instead (:class:`_ReaderPoll`): the same wait,
-without building it each time.
+- ``put()`` captures the item: a Buffer's wire form, or :func:`gpushare._process.dumps`'s
+  bytes (:class:`_Pickled`); this queue's feeder (:func:`_feed`) writes them as they are.
+- ``get()`` reads a Buffer's descriptor straight from its bytes and unpickles the rest.
+- ``get()`` raises OwnerGoneError once the creator is gone and everything it put is received,
+  and MainGuardError when a child of this process stopped at ``MAIN_GUARD_EXIT``.
+- A blocking ``get()`` polls its pipe with one ``select.poll`` object (:class:`_ReaderPoll`).
+Why, and the end-of-queue protocol: docs/design.md, "Queues".
 """
 
 from __future__ import annotations

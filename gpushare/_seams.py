@@ -1,32 +1,12 @@
 """Seams: what a lower layer needs from a higher one, handed down instead of imported.
 
-Imports only go down the layers of ``docs/design.md``. In two places a lower
-layer needs something that only a higher one can give; each is a seam with
-one registration function here, and :mod:`gpushare` (the facade, which every
-import of the package runs first) calls all of them, in one block, at import:
+Each seam is one registration function here and one reader:
 
-``set_default_context(get_context)``
-    :class:`~gpushare.BufferManager` made without ``ctx=`` uses gpushare's
-    default context (:mod:`gpushare._context`, which sits above the Manager:
-    the context's ``Manager()`` makes one). Read with :func:`default_context`.
-``set_ray_form(reduce)``
-    A buffer pickled inside a connected Ray process takes Ray's form
-    (:mod:`gpushare.ray`, the top layer). Read with :func:`ray_form`.
-
-Two more facts travel the same way, registered by the layer that knows them, so
-that a layer which must not import that one (a child that never used CUDA must
-not load the CUDA layer to learn so) can ask:
-
-``mark_cuda_initialized()``
-    The CUDA layer initialised the driver in this process (:mod:`gpushare._cuda`).
-    Read with :func:`cuda_initialized`.
-``at_worker_exit(hook)``
-    Something to do when a gpushare worker's target returns, before the process
-    ends without running ``atexit`` (the lifetime service's links, registered
-    when the first link is made). Run with :func:`worker_exit`.
-
-Nothing else is handed down. This module imports nothing of gpushare, so any
-layer may read it.
+- ``set_default_context`` / :func:`default_context` and ``set_ray_form`` / :func:`ray_form`:
+  filled by the facade (:mod:`gpushare`) at import, in one block.
+- ``mark_cuda_initialized`` / :func:`cuda_initialized`: set by the CUDA layer when the driver loads.
+- ``at_worker_exit`` / :func:`worker_exit`: hooks the lifetime service's first link registers.
+This module imports nothing of gpushare, so any layer may read it. Why each: docs/design.md, "Layers".
 """
 
 from __future__ import annotations

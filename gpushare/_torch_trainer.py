@@ -1,56 +1,12 @@
 """A trainer whose weights live in a tensor set: it trains them in place and publishes without a copy.
 
-Re-exported by :mod:`gpushare.torch`::
-
-    ts = manager.tensor_set(state_dict_layout(model.state_dict()), versions=1, device=0)
-    weights = train_in_set(model, ts)        # the parameters are the set's one version now; version 1
-    optimizer = torch.optim.AdamW(model.parameters())
-    for step in range(steps):
-        loss = compute_loss(model)
-        loss.backward()
-        with weights.update():               # the version, once no engine is reading it
-            optimizer.step()                 # writes it in place
-        optimizer.zero_grad()                # published when the block ended: engines copy it
-
-    def engine(reader):                      # copy mode: copy the version, let go of it at once
-        with reader.wait(newer_than=version) as snap:
-            load_state_dict(engine_model, snap)
-
-Why: with :func:`~gpushare.torch.publish_state_dict`, a sync moves the
-weights twice (the trainer's copy into a version, then each engine's copy
-out of it) and the trainer keeps its weights plus ``versions`` copies. Here
-the trainer's parameters *are* the version: a sync is each engine's copy,
-and the trainer keeps one copy of its weights.
-
-Protocol:
-
-* The set has one version (``versions=1``), which is the trainer's weights.
-  :func:`train_in_set` takes it as a draft, copies the module's state dict
-  into it (:func:`~gpushare.torch.publish_state_dict`'s copy), waits for the
-  copy once, and points each parameter at its tensor in the version
-  (``param.data = view``: the same Parameter objects, so an optimizer made
-  before or after, and hooks, keep working); the memory the parameters had is
-  freed. Then it publishes the version: version 1.
-* :meth:`TrainerWeights.update` takes the version as a draft again: it waits
-  on the host, at most ``timeout`` seconds, while an engine holds it (a
-  copy-mode engine holds it only while it queues its copy), and torch's
-  current stream waits on the GPU for the engines' reads (their release
-  events). It checks that every parameter still views the version, runs the
-  block, copies in what does not live in the version (buffers, and a tied
-  parameter's second name) on that stream, and publishes the version on it.
-  An exception in the block gives the version back unpublished: engines wait
-  for the next one.
-* Between updates the version is published: engines copy it while the
-  trainer's forward and backward read it. A write to a parameter outside
-  ``update()`` writes a version engines may be copying.
-* Engines must copy and let go (``load_state_dict`` or ``snap.copy_to``,
-  then release): a bound engine (:func:`~gpushare.torch.bind`) holds the
-  version, and ``update()`` would wait for it until its timeout. A set for
-  bound engines needs two versions and ``publish_state_dict``.
-* :meth:`TrainerWeights.detach` (also ``close()``, and leaving
-  ``with train_in_set(...)``) gives each parameter memory of its own again (a
-  copy) and leaves the set alone; until then the parameters keep the
-  version's memory alive, even past the set's ``close()``.
+- :func:`train_in_set` moves a module's parameters into a ``versions=1`` set (the same
+  Parameter objects, ``param.data`` replaced) and publishes them: version 1.
+- :meth:`TrainerWeights.update` takes the version back as a draft once no engine holds it,
+  runs the block (the optimizer's step), copies in buffers, and publishes.
+- Engines copy and let go (``load_state_dict``); a bound engine would stall ``update()``.
+- :meth:`TrainerWeights.detach` gives the parameters memory of their own again.
+Re-exported by :mod:`gpushare.torch`. Why and the steps: docs/design.md, "Tensor sets (weight sync)".
 """
 
 from __future__ import annotations
@@ -73,9 +29,14 @@ def train_in_set(module: torch.nn.Module, tensor_set: Any, *, timeout: float | N
     ``tensor_set`` must be made with ``versions=1`` from this module's
     ``state_dict_layout(module.state_dict())``, on the module's device. Then
     write the parameters only inside :meth:`TrainerWeights.update`, which
-    publishes them. ``timeout`` bounds each wait for engines that hold the
-    version (:class:`~gpushare.WaitTimeoutError` naming them). See
-    :mod:`gpushare._torch_trainer` for the protocol.
+    publishes them: between updates engines copy the version while forward
+    and backward read it. ``timeout`` bounds each wait for engines that hold
+    the version (:class:`~gpushare.WaitTimeoutError` naming them). Engines
+    must copy and let go (``load_state_dict`` or ``snap.copy_to``, then
+    release); engines that keep a version (``bind``) need
+    ``publish_state_dict`` and two versions. Until
+    :meth:`TrainerWeights.detach`, the parameters keep the version's memory
+    alive, even past the set's ``close()``.
     """
     return TrainerWeights(module, tensor_set, timeout)
 

@@ -1,65 +1,13 @@
 """Weight sync for PyTorch modules on a gpushare TensorSet (re-exported by :mod:`gpushare.torch`).
 
-The trainer::
-
-    from gpushare.torch import publish_state_dict, state_dict_layout
-
-    ts = manager.tensor_set(state_dict_layout(model.state_dict()), versions=2, device=0)
-    ...                                      # hand ts to the engines (Process argument, Queue, Ray actor)
-    for step in range(steps):
-        train_step(model)
-        publish_state_dict(ts, model.state_dict())   # one multi-tensor copy, then publish
-
-An engine, in copy mode (its own weights; the version is let go at once)::
-
-    with reader.wait(newer_than=version) as snap:
-        load_state_dict(engine_model, snap)         # one batched copy (cuMemcpyBatchAsync)
-        version = snap.version
-
-or zero-copy (the engine's parameters and buffers *are* the version)::
-
-    snap = reader.wait(newer_than=version)
-    bind(engine_model, snap)    # rebinds every tensor; the snapshot bound before is released
-    version = snap.version
-
-How each works:
-
-* :func:`state_dict_layout` turns a state dict into a layout: each tensor's
-  shape and dtype, with a tag for dtypes NumPy lacks (``bfloat16``,
-  ``float8_*``), stored as unsigned ints of their size, as
-  ``gpushare.torch.DataLoader`` stores them.
-* :func:`publish_state_dict` takes a draft (a version no engine holds; the
-  current torch stream waits for the engines' last reads of it), copies the
-  state dict into that version on the current torch stream (gpushare's copy
-  kernel for the tensors on the set's GPU, one launch per 96 tensors;
-  ``torch._foreach_copy_`` for the rest and on the host), and publishes the draft
-  with that stream: the version's ready event is recorded after the copies.
-  Nothing waits on the host. The torch tensors over each version are made
-  once per version and kept with the set (making 200 tensors through DLPack
-  would cost milliseconds per publish), and so is where each tensor of the
-  state dict goes (:class:`_PublishPlan`), used again while the state dict
-  holds the same tensors at the same addresses.
-* :func:`load_state_dict` copies a snapshot into a module's own parameters
-  and buffers with :meth:`~gpushare.Snapshot.copy_to` on the current torch
-  stream (one batched copy; torch sees ordinary stream order). Where each
-  tensor goes in the module is worked out on the first load and checked on
-  the next, as for :func:`bind` (a plan of its own in the module).
-* :func:`draft_tensors` gives a draft's tensors as torch tensors, for a
-  trainer that writes its update in place (``d = ts.draft()``, write,
-  ``ts.publish(d)``): the same per-version tensors ``publish_state_dict``
-  copies into.
-* :func:`bind` makes each parameter and buffer of a module a tensor viewing
-  the snapshot's memory (``param.data = view``; buffers are replaced), so
-  the module runs on the published weights with no copy. The tensors over
-  each version slot are made once per reader (through DLPack on CUDA) and
-  reused for every version later bound from that slot; each bind makes
-  torch's current stream wait for the version's ready event. The module
-  keeps the snapshot; the next ``bind`` releases the one before, after
-  every tensor points at the new one. Snapshots hold their version while
-  bound: an engine that binds holds one version at a time, so a set for
-  binding engines needs ``versions=2`` at least.
-
+- Trainer: :func:`state_dict_layout` makes the set's layout; :func:`publish_state_dict` copies a
+  state dict into a draft on torch's current stream and publishes it; :func:`draft_tensors`
+  gives a draft's tensors, to write in place.
+- Engine, copy mode: :func:`load_state_dict` copies a snapshot into the module (one batched copy).
+- Engine, zero-copy: :func:`bind` makes the module's tensors view a snapshot, which it keeps.
+- Torch tensors over each version are made once and kept; so is where each tensor goes (a plan).
 torch is imported with this module; gpushare's core never imports it.
+How each works: docs/design.md, "Tensor sets (weight sync)".
 """
 
 from __future__ import annotations
@@ -323,8 +271,8 @@ def _version_tensors(tensor_set: Any, slot: int) -> Mapping[str, torch.Tensor]:
     """Torch tensors over every tensor of version ``slot`` (names -> tensors, read-only, in
     layout order), made once per version.
 
-    Making a tensor from a Buffer costs tens of microseconds (DLPack); a trainer that
-    publishes a 200-tensor state dict every step would pay milliseconds. These views are
+    Making a tensor from a Buffer is a DLPack export; a trainer that publishes a state
+    dict of hundreds of tensors every step would pay one per tensor. These views are
     written only while a draft of that version is out (:func:`publish_state_dict`,
     :func:`draft_tensors`).
     """
@@ -428,7 +376,7 @@ def bind(module: torch.nn.Module, snapshot: Any, *, strict: bool = True) -> Inco
     if plan is None:
         own, keys = _match(module, snapshot, strict)
         # A reader's snapshot: the module's tensors over its version slot are made once
-        # per slot (DLPack on CUDA: milliseconds a version for a 200-tensor model), and
+        # per slot (DLPack on CUDA: one export per tensor, a cost per version), and
         # where each goes in the module is worked out once (module.state_dict() walks
         # every submodule, as load_state_dict() notes) and checked after.
         plan = _BindPlan.make(module, snapshot, strict, own, keys) if reader else None

@@ -1,52 +1,15 @@
-"""Ray: gpushare Buffers as task and actor arguments, return values and ``ray.put`` objects.
+"""gpushare.ray: gpushare Buffers as Ray task and actor arguments, return values and ``ray.put`` objects.
 
-Nothing to register and nothing to call. ``Buffer.__reduce__`` asks
-:func:`gpushare._buffer.reduce_buffer`, which gives the Ray form when
-``ray`` is imported and ``ray.is_initialized()`` in the pickling process (the
-facade connects the ``ray_form`` seam to :func:`reduce_for_ray`)::
+Nothing to register and nothing to call: in a process where Ray is initialised, a Buffer
+pickles in Ray's form (:func:`reduce_for_ray`), which carries its owner's node and authkey.
 
-    (gpushare.ray._rebuild, (descriptor bytes, node identity, Ray node id, owner authkey))
-
-and the ordinary form, ``(rebuild_buffer, (descriptor bytes,))``, otherwise.
-Ray serializes with cloudpickle, which calls ``__reduce__``. gpushare's Queue
-writes the ordinary form itself, so it never carries the Ray form.
-
-Data flow:
-
-* **Serializing** (``ray.put``, a task argument, a return value) takes one
-  lease at the owner, as any pickling does, and leaves it *unclaimed*: a
-  Ray object can be read many times, by many workers, so no reader takes
-  it. It pins the memory until the owner's ``lease_timeout`` after the
-  object was made, then expires without a warning (a Ray object may be
-  read many times or never); the Manager's shutdown drops it. (A buffer
-  *received* from another process and put into Ray takes its lease through
-  that process's link: if no one reads that object it expires with a
-  ``LeaseExpiredWarning``, as any unread pickle does.)
-* **Reading on the owner's node** (same node identity, owner's socket
-  present): the reader connects to the owner with the authkey carried in
-  the object (Ray workers are not in the Manager's process tree), asks for
-  a lease of its own through the pinned one (the ``lease`` message,
-  ``Owner.leases.lease_via``) and maps the memory: the
-  reader gets a :class:`~gpushare.Buffer` over the *same* memory, under a
-  lease released by ``release()``, garbage collection or the worker's death,
-  like any gpushare consumer.
-* **Reading on another node**: the reader runs one small Ray task (no CPU
-  reserved) pinned to the owner's Ray node; that task maps the buffer as
-  above, returns a NumPy copy of its bytes, and releases it. Ray's object
-  store carries the copy; the reader gets a :class:`NodeCopy` (a writable
-  ``numpy.ndarray`` with the Buffer's host-side methods). gpushare has no
-  transport of its own across nodes.
-
-Node identity (:func:`node_identity`) is the kernel's boot id: processes
-with the same one run on the same machine and can reach each other's Unix
-sockets and shared memory (unless containers separate them: then the
-owner's socket is missing and the reader takes the copy path).
-``GPUSHARE_NODE_ID`` overrides it: tests set it per Ray node to make nodes
-of one machine behave as separate machines.
-
-Security: the Ray object carries the owner's multiprocessing authkey, so a
-Ray cluster is one trust domain for the Managers whose buffers enter it
-(as it already is for code: any client of a Ray cluster runs code on it).
+- A reader on the owner's machine (same :func:`node_identity`) gets a :class:`~gpushare.Buffer`
+  over the same memory, under a lease of its own.
+- A reader on another machine gets a :class:`NodeCopy`: a small Ray task on the owner's Ray node
+  copies the bytes, and Ray's object store carries them.
+- A Ray object pins its memory until the owner Manager's ``lease_timeout``: read it before.
+- The object carries the owner's multiprocessing authkey: a Ray cluster is one trust domain.
+The Ray guide has the details; docs/design.md, "Descriptors", the internals.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """gpushare.reduction: :mod:`multiprocessing.reduction`, plus gpushare's dumps.
 
-``ForkingPickler`` and ``register`` are multiprocessing's own, one registry
-for both: a reducer registered through either is used by gpushare's
-pickling too, and gpushare registers its own there (``gpushare.Buffer``'s;
-a ``ProcessPoolExecutor``'s call items once one is given gpushare's
-context). ``dumps`` is added: how gpushare pickles what it sends to another
-process (a Process's target and arguments, queue items, Pool tasks and
-results) -- ForkingPickler's pickle when that carries the object, byte for
-byte, and cloudpickle's, with every registered reducer, for lambdas,
-closures and the like. ``pickle.loads`` reads it. The rest is
-multiprocessing's, by the rule of :mod:`gpushare._mirror`.
+``ForkingPickler`` and ``register`` are multiprocessing's own: one registry, which gpushare's
+pickling uses too. ``dumps`` is added: how gpushare pickles what it sends to another process
+(ForkingPickler's bytes where that carries the object, else cloudpickle's with every registered
+reducer); ``pickle.loads`` reads it. The rest is multiprocessing's, by the rule of :mod:`gpushare._mirror`.
 """
 
 from __future__ import annotations

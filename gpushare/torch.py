@@ -1,4 +1,4 @@
-"""gpushare.torch: a PyTorch DataLoader whose workers build batches in pre-shared slots.
+"""gpushare.torch: a PyTorch DataLoader whose workers build batches in pre-shared slots, and weight sync.
 
 ::
 
@@ -8,26 +8,16 @@
     for images, labels in loader:      # CUDA tensors viewing a worker's slot: no copy here
         loss = model(images, labels)   # the slot goes back when the batch is dropped
 
-It is :class:`gpushare.SlotLoader` with torch's conventions: torch's
-samplers (``shuffle``, ``sampler``, ``batch_sampler``, ``generator``),
-``collate_fn``, ``worker_init_fn``, ``timeout``, ``prefetch_factor``,
-per-worker seeds and ``torch.utils.data.get_worker_info()`` in workers.
-Without ``collate_fn``, samples (tensors, NumPy arrays, numbers, and
-tuples/lists/dicts of them, like torch's ``default_collate``) are stacked
-*into* the slot by ``torch.stack(..., out=...)``: a worker that makes its
-samples on the GPU writes each batch once, and the trainer reads it in
-place; samples made on the CPU for a CUDA slot are copied once, into the
-worker's page-locked staging (two areas of at most 4 MiB, used in turn),
-and reach the slot by asynchronous copies ordered before the trainer's
-reads by the slot's event (no synchronisation in the worker). With a ``collate_fn``, its result is copied into the slot
-(one device copy in the worker). Slots live on ``device`` (default: the current
-CUDA device when torch sees one, else host shared memory, and then the
-tensors are CPU tensors viewing it).
+:class:`DataLoader` is :class:`gpushare.SlotLoader` with torch's conventions: samplers
+(``shuffle``, ``sampler``, ``batch_sampler``, ``generator``), ``collate_fn``, ``worker_init_fn``,
+``timeout``, ``prefetch_factor``, per-worker seeds and ``get_worker_info()`` in workers. Without
+``collate_fn``, samples (tensors, arrays, numbers, and tuples, lists, dicts of them) are stacked
+*into* the slot; with one, its result is copied in. Slots live on ``device`` (default: the current
+CUDA device when torch sees one, else host shared memory, as CPU tensors). Plain
+``torch.utils.data.DataLoader`` runs gpushare's workers with ``multiprocessing_context=gpushare.get_context()``.
 
-Plain ``torch.utils.data.DataLoader`` also runs with gpushare's workers:
-``DataLoader(ds, num_workers=N, multiprocessing_context=gpushare.get_context())``.
-
-torch is imported when this module is; it is not a dependency of gpushare.
+Weight sync on a :class:`~gpushare.TensorSet`: :func:`publish_state_dict`, :func:`load_state_dict`,
+:func:`bind`, :func:`train_in_set`. torch is imported with this module; gpushare does not depend on it.
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
 """The contract every sharing backend fulfils.
 
-A backend turns memory into something another process can map, and back:
-
-* owner side: :meth:`Backend.allocate` returns an :class:`Allocation`,
-  whose ``handle`` (bytes, computed once by :meth:`Backend.export`) is all
-  another process needs to reach the memory; :meth:`Backend.free` gives
-  the memory back and may only run once no other process maps it (the
-  lifetime service guarantees that).
-* consumer side: :meth:`Backend.open` maps a handle and returns a
-  :class:`Mapping`; it is cached per process by the caller's key, so an
-  allocation that arrives many times is opened once; :meth:`Backend.close`
-  unmaps it.
-* both sides: plain memory operations (fill, copy in, copy out) that
-  Buffer methods need, so Buffer never asks which backend it sits on.
-
+- Owner side: :meth:`Backend.allocate` returns an :class:`Allocation`; its ``handle``
+  (:meth:`Backend.export`, once) is all another process needs; :meth:`Backend.free` runs
+  only once no other process maps the memory (the lifetime service guarantees it).
+- Consumer side: :meth:`Backend.open` returns a :class:`Mapping`, cached per process by the
+  caller; :meth:`Backend.close` unmaps it.
+- Both sides: fill, copy in, copy out, so a Buffer never asks which backend it sits on.
 Backends know nothing of leases, pickling or processes.
 """
 

@@ -1,14 +1,9 @@
 """What every CUDA backend shares: placement of mappings and memory operations.
 
-Placement -- which device contexts a CUDA mapping is made in:
-
-The memory's own GPU is found by UUID (ordinals differ between processes
-when ``CUDA_VISIBLE_DEVICES`` does). A mapping is made in that GPU's
-context when this process sees it; the process's bound device
-(``Process(device=N)`` sets ``GPUSHARE_DEVICE``) is added as a peer when it
-is another GPU that can reach the memory, so kernels on either GPU can use
-the pointer. When the memory's GPU is hidden from this process, the
-mapping is made in the bound device as a peer mapping.
+:func:`placement` picks the device contexts a CUDA mapping is made in. The memory's GPU is
+found by UUID. A mapping goes in that GPU's context when this process sees it, plus the bound
+device (``GPUSHARE_DEVICE``) as a peer when that is another GPU that reaches the memory.
+When the memory's GPU is hidden, the mapping goes in the bound device, as a peer mapping.
 """
 
 from __future__ import annotations

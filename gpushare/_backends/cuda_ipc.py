@@ -1,20 +1,10 @@
 """The ``cuda_ipc`` backend: legacy CUDA IPC memory handles (the default).
 
-Owner side: ``cuMemAlloc`` of a size the Manager already rounded up to a
-multiple of 2 MiB, so no other allocation ever shares an exported block
-(a handle exports the whole driver allocation it points into; a consumer
-given buffer A can never reach a neighbour B through A's handle), then
-``cuIpcGetMemHandle`` once per allocation: 64 bytes that travel through
-any transport.
-
-Consumer side: ``cuIpcOpenMemHandle`` with lazy peer access, in the
-primary context of the device the memory lives on when this process sees
-that device, else in this process's own device (a peer mapping). The
-caller caches the mapping per process, because opening is the expensive
-step (tens of microseconds, milliseconds for large or peer allocations).
-
-The driver requires every importer to close before the owner frees; the
-lifetime service (``_lifetime``) enforces that order.
+- Owner: ``cuMemAlloc`` of a size the Manager rounded to 2 MiB, then ``cuIpcGetMemHandle``
+  once per allocation: 64 bytes that travel in the descriptor.
+- Consumer: ``cuIpcOpenMemHandle`` with lazy peer access, placed by
+  :func:`~gpushare._backends._cudabase.placement`; the caller caches the mapping per process.
+- Every importer closes before the owner frees; the lifetime service enforces that order.
 """
 
 from __future__ import annotations

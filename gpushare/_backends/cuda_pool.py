@@ -1,25 +1,12 @@
 """The ``cuda_pool`` backend: an IPC-enabled CUDA memory pool per device.
 
-Owner side: one memory pool per device, created with the POSIX-fd handle
-type and exported once (``cuMemPoolExportToShareableHandle``; the driver
-refuses pointer exports before that). Buffers are stream-ordered
-allocations from it (``cuMemAllocFromPoolAsync``, synchronised before the
-pointer is handed out); each travels as 8 bytes naming the pool plus its
-64-byte ``cuMemPoolExportPointer`` data.
-
-Consumer side: the pool is imported once per process (its fd fetched from
-the owner over SCM_RIGHTS the first time a buffer of it arrives, then
-cached by owner and pool), after which each new allocation costs only a
-pointer import (microseconds).
-
-An imported pool is destroyed when this process's link to its owner
-closes (the owner shut down or died, and no buffer here still uses it):
-until then the driver keeps the pool's memory mapped here, one chunk of
-device memory and one fd per imported pool, even after the owner is gone.
-
-Driver rule: importers free their imported pointers before the exporter
-frees the allocation. The lifetime service enforces that order: the owner
-frees only after every mapper has answered ``unmapped``.
+- Owner: one pool per device (POSIX-fd handle type), exported once; buffers are
+  ``cuMemAllocFromPoolAsync`` allocations, synchronised before the pointer is handed out,
+  and travel as 8 bytes naming the pool plus 64 bytes of ``cuMemPoolExportPointer`` data.
+- Consumer: imports the pool once per process (its fd by SCM_RIGHTS, cached by owner and
+  pool), then one pointer import per allocation; the pool goes when the link to its owner closes.
+- Importers free their pointers before the owner frees; the lifetime service enforces that order.
+Why: docs/design.md, "Backends".
 """
 
 from __future__ import annotations

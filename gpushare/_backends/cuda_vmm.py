@@ -1,29 +1,12 @@
 """The ``cuda_vmm`` backend: VMM allocations shared as POSIX file descriptors.
 
-Owner side: ``cuMemCreate`` (pinned device memory, POSIX-fd handle type
-requested; the device must report both VMM and POSIX-fd support), reserve
-an address range, map, set access, all aligned to the allocation
-granularity (2 MiB on current GPUs; the Manager rounds sizes to 2 MiB and
-this backend rounds further if a device needs more). The fd is exported
-with ``cuMemExportToShareableHandle`` once per allocation and kept until
-the allocation is freed. The export is a slow driver call (it shows in
-the `first_share` benchmark scenario's cuda_vmm column), so it starts, on
-a background thread, when the allocation is first shared (``export``,
-called as each lease is taken): by the time the first consumer has
-received the descriptor, claimed its lease and asked for the fd, the fd
-is ready or nearly so. ``export_fd`` (the owner's answer to that request)
-waits for an export in progress, or exports itself if none started.
-The thread ends after a few idle seconds and the next lease starts another.
-
-The fd travels with SCM_RIGHTS over the connection between the consumer
-and the owner's lifetime service (never ``pidfd_getfd``, which ordinary
-containers forbid). Descriptors carry no handle bytes: the consumer asks
-the owner for the fd when it first maps the allocation.
-
-Consumer side: import + reserve + map + set access, once per process per
-allocation (the mapping is cached by the lifetime layer). Every
-construction is all-or-nothing: a failing step undoes the earlier ones,
-so a half-built mapping never leaks.
+- Owner: ``cuMemCreate`` (POSIX-fd handle type) + reserve + map + access, aligned to the
+  device's granularity. ``export`` starts the fd export on a background thread at the first
+  share; ``export_fd`` waits for it (or exports) and keeps the fd until the allocation is freed.
+- The fd travels by SCM_RIGHTS over the owner connection; descriptors carry no handle bytes.
+- Consumer: import + reserve + map + access, once per process per allocation.
+- Every construction is all or nothing: a failing step undoes the earlier ones.
+Why: docs/design.md, "Backends".
 """
 
 from __future__ import annotations

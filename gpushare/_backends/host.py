@@ -1,25 +1,12 @@
 """The ``host`` backend: POSIX shared memory with the same contract as CUDA.
 
-Used on machines without a GPU and for ``device="cpu"`` buffers. The owner
-creates a segment with ``shm_open`` + ``ftruncate`` + ``posix_fallocate``
-+ ``mmap``; the handle is the segment's name; a consumer maps it by name.
-``posix_fallocate`` reserves the pages up front: tmpfs accepts a sparse
-segment far larger than it can hold, and touching a page it then cannot
-back kills the process with SIGBUS, so an allocation /dev/shm cannot hold
-must fail at once, with :class:`~gpushare._errors.OutOfMemoryError`.
-
-Who destroys is decided once: only the owner unlinks, exactly once, in
-:meth:`HostBackend.free`. Consumers only unmap. The owner registers each
-segment with multiprocessing's resource tracker so that a SIGKILLed owner
-does not leave the segment behind; it unregisters it when it unlinks, so a
-clean run prints no leaked-segment warnings. Consumers never register
-(registering on attach is what makes the standard library's SharedMemory
-unlink twice and warn, gh-82300).
-
-Unmapping while NumPy arrays still view the segment would invalidate
-them, so an ``mmap`` is never closed explicitly: it is unmapped when its
-last reference (a Buffer, a NumPy view) is collected, and memory stays
-valid for as long as anything can reach it.
+- For machines without a GPU and ``device="cpu"`` buffers.
+- Owner: ``shm_open`` + ``ftruncate`` + ``posix_fallocate`` + ``mmap``; the handle is the
+  segment's name. Pages are reserved up front: no room is :class:`~gpushare._errors.OutOfMemoryError`.
+- Only the owner unlinks, once (:meth:`HostBackend.free`), and only it registers segments
+  with the resource tracker. Consumers map by name and only unmap.
+- An ``mmap`` is never closed explicitly: it goes with its last reference (a Buffer, a NumPy view).
+Why: docs/design.md, "Backends".
 """
 
 from __future__ import annotations

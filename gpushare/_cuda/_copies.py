@@ -1,25 +1,12 @@
 """Copies between host and device memory, and the page-locked host memory they run from.
 
-Two kinds of copy:
-
-* Synchronous (:func:`memset`, :func:`memcpy_htod`, :func:`memcpy`, ...): done
-  on the device before they return. gpushare's own writes are of this kind: a
-  buffer filled and put on a queue must read as filled in the consumer, whose
-  context and stream know nothing of ours.
-* Asynchronous (:func:`memcpy_htod_async`, :func:`memcpy_async`,
-  :func:`memcpy_batch_async`): queued on an int stream handle and not waited
-  for. The caller orders later work after them (``event_record`` then
-  ``stream_wait_event``) or waits (``stream_synchronize``,
-  ``event_synchronize``), and keeps the source and destination alive and
-  unchanged until then. They enter the device's context the per-handoff way
-  (:func:`~gpushare._cuda._driver._enter`).
-
-A copy from host memory is asynchronous only when that memory is page-locked:
-allocated by :func:`host_alloc`, or an existing range (an mmap of POSIX shared
-memory, say) registered with :func:`host_register`. Both are *portable*:
-pinned for every context of this process, whichever device's context was
-current when they were made. From pageable memory the driver stages the copy
-and returns once it has read the source.
+- Synchronous copies (:func:`memset`, :func:`memcpy_htod`, :func:`memcpy`, ...) are done
+  on the device when they return.
+- Asynchronous ones (:func:`memcpy_htod_async`, :func:`memcpy_async`,
+  :func:`memcpy_batch_async`) are queued on a stream; the caller orders or waits, and keeps
+  both sides alive and unchanged until then.
+- A copy from the host is asynchronous only from page-locked memory (:func:`host_alloc`,
+  :func:`host_register`; both portable). See docs/design.md, "The CUDA layer".
 """
 
 from __future__ import annotations
@@ -177,22 +164,12 @@ def memcpy_batch_async(
     """Queue the copies ``srcs[i] -> dsts[i]`` of ``sizes[i]`` bytes on ``stream``, not waiting.
 
     The copies are not ordered among themselves, so none may read what another
-    writes. Which path runs:
-
-    * gpushare's copy kernel (:mod:`._kernels`), one launch per 96 copies,
-      where the caller says ``kernel=True`` (every pointer is device memory
-      that ``ordinal``'s context reaches: no host memory, no other GPU's),
-      there are two copies or more, and the kernel could be built here;
-    * ``cuMemcpyBatchAsync`` (CUDA 12.8 and later), one driver call for all of
-      them, with every source read in stream order;
-    * otherwise one ``cuMemcpyAsync`` per copy: where the caller says ``batch=False``
-      (copies between two GPUs, see :func:`gpushare._fanout._copy.copy_regions`), on the legacy default stream
-      (``stream`` 0 or 1, which the batched call refuses), where cuda-bindings or
-      the driver lack the batched call, or where it refused
-      (``CUDA_ERROR_NOT_SUPPORTED`` / ``CUDA_ERROR_INVALID_VALUE``) copies that
-      ``cuMemcpyAsync`` then made. The first batch on another stream decides for
-      the process (module flag ``_batch``); a refusal after batching has worked
-      only sends that batch down the loop.
+    writes. The path, first that applies: gpushare's copy kernel (``kernel=True``:
+    every pointer is device memory ``ordinal``'s context reaches; two copies or more;
+    the kernel was built); one ``cuMemcpyBatchAsync``; else one ``cuMemcpyAsync`` per
+    copy (``batch=False`` for copies between GPUs, the legacy default stream, or a
+    batched call missing or refused; the first batch decides for the process).
+    docs/design.md, "The CUDA layer", has the table.
 
     A failing copy raises :class:`~gpushare._errors.CUDAError` naming the call,
     and in the loop which copy; check that copy's pointers and size, or queue the

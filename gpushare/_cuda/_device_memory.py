@@ -1,15 +1,10 @@
 """Device memory and the three ways to share it between processes.
 
-* Plain allocations (``cuMemAlloc``) shared by legacy IPC memory handles:
-  64 bytes that another process opens with ``cuIpcOpenMemHandle``.
-* VMM allocations (``cuMemCreate`` + reserve + map + set access) exported
-  once as a POSIX file descriptor, which travels by SCM_RIGHTS.
-* IPC memory pools: a pool exported once as a file descriptor, then 64 bytes
-  of ``cuMemPoolExportPointer`` data per allocation.
-
-Creation is all or nothing: the steps of a failed creation are undone in
-reverse (:class:`_Undo`). Every call here runs in the device's primary
-context through :class:`~gpushare._cuda._driver.on_device`.
+- Plain allocations (``cuMemAlloc``), shared by 64-byte legacy IPC memory handles.
+- VMM allocations (``cuMemCreate`` + reserve + map + access), exported once as a POSIX fd.
+- IPC memory pools: the pool exported once as an fd, then 64 bytes per allocation.
+Creation is all or nothing (:class:`_Undo`). Every call runs in the device's primary
+context (:class:`~gpushare._cuda._driver.on_device`).
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
 """Loading the driver, devices and their primary contexts: the state of this layer.
 
-Every piece of module-level state of ``gpushare._cuda`` lives here: the loaded
-driver module (:data:`_bindings`), the result codes cached at load, the
-GIL-keeping queries (:data:`_queries`), the primary contexts, the UUID and
-ordinal caches, the stream handle cache and the copy kernel loaded per
-device (:mod:`._kernels`). Most of it is set lazily, so the
-other modules of the package read it as ``_driver.<name>`` at call time (one
-attribute lookup) and never copy it at import.
-
-Two ways into a device's primary context:
-
-* :class:`on_device` pushes it for a block and pops it after, so the caller's
-  current context (torch's, CuPy's) is left as it was. Every call that is not
-  per handoff uses it.
-* :func:`_enter` is for the per-handoff calls: most of the time the primary
-  context is already current on the calling thread, and one ``cuCtxGetCurrent``
-  replaces a push and a pop.
+- Every piece of module-level state of ``gpushare._cuda`` lives here, mostly set lazily;
+  the other modules read it as ``_driver.<name>`` at call time, never copy it at import.
+- :func:`_check` turns a failing ``CUresult`` into a :class:`~gpushare._errors.CUDAError`.
+- :class:`on_device` pushes a device's primary context for a block and pops it after.
+- :func:`_enter` is for per-handoff calls: it pushes only when that context is not current.
 """
 
 from __future__ import annotations
@@ -344,8 +333,7 @@ def _enter(ordinal: int) -> tuple[Any, bool]:
     the time the device's primary context is already current on the calling thread
     (make_current at worker start-up, torch's or CuPy's own set-up, or an earlier
     _enter on a thread that had none), and then one cuCtxGetCurrent replaces a
-    push, a pop and a context manager, a few microseconds per call that every
-    handoff paid.
+    push, a pop and a context manager, a cost every handoff paid.
     """
     driver = _bindings if _bindings is not None else _load()
     key = _primary_ints.get(ordinal)

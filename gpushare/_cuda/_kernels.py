@@ -1,44 +1,13 @@
 """gpushare's one kernel: many device-to-device copies in one launch.
 
-Why a kernel: a tensor set's version holds 200-300 tensors, and its copies
-(the trainer's state dict into a version, a version into an engine's own
-tensors) are one copy per tensor. Queued one by one, or in one
-``cuMemcpyBatchAsync``, the GPU runs them one after another, and each costs
-more than its bytes (the copy ramps up, then drains while the next waits):
-a state dict's copies take clearly longer than the same bytes in one copy,
-the more so the smaller its tensors (the `weight_sync` and `weight_sync_8b`
-benchmark scenarios' layouts; dev/performance.md, "Copy mode: what a copy
-per tensor costs the GPU"). Here every block moves on to the
-next piece of work, whichever region it belongs to, as soon as it is done.
-
-Protocol:
-
-* The CUDA C below is compiled with NVRTC (``cuda.bindings.nvrtc``, the
-  library of the ``nvidia-cuda-nvrtc`` wheel or a CUDA toolkit) into a cubin
-  for the device's architecture, once per process and device (a compile is
-  slow next to any copy), and the cubin is kept on disk (``$XDG_CACHE_HOME/gpushare``, else
-  ``~/.cache/gpushare``; keyed by the source, the architecture and NVRTC's
-  version), so later processes only load it. It is loaded into the device's
-  primary context, where gpushare's copies run.
-* Each launch takes up to :data:`REGIONS` copies as a kernel argument (a
-  3 KiB struct, under the 4 KiB every driver takes): the destinations,
-  sources and sizes, and where each copy's 128 KiB chunks start in the
-  launch's run of chunks. Each block takes every so many chunks; a chunk
-  whose two addresses are 16-byte aligned moves in 16-byte words (eight
-  loads in flight per thread, the stores marked as streaming), any other
-  byte by byte. More copies go in more launches on the same stream. The
-  filled arguments are kept for the next call with the same copies (a
-  trainer's and an engine's come again every step).
-* Every pointer must be device memory that the device's primary context can
-  reach (its own allocations, mapped IPC or VMM imports, pool imports), not
-  host memory and not another GPU's: :func:`launch_copies` is called only for
-  such copies (see :func:`gpushare._cuda._copies.memcpy_batch_async`), and
-  like ``cuMemcpyBatchAsync`` the copies are unordered among themselves.
-* Where the kernel cannot be had (no NVRTC library, a compiler too old for
-  the device, a refused load, ``GPUSHARE_COPY_KERNEL=0``), :func:`launch_copies`
-  returns False and the caller queues driver copies instead; the reason is
-  kept (:func:`kernel_status`), for the benchmark's report and for tests.
-  The attempt is made once per process and device.
+- :func:`launch_copies` queues up to :data:`REGIONS` copies per launch on a stream;
+  they are unordered among themselves.
+- Every pointer must be device memory the device's primary context reaches: no host
+  memory, no other GPU's (callers say so: ``memcpy_batch_async(..., kernel=True)``).
+- The source below is compiled once per process and device by NVRTC; the cubin is cached on disk.
+- Where the kernel cannot be had, :func:`launch_copies` returns False and
+  :func:`kernel_status` says why; the caller queues driver copies instead.
+Why a kernel, and how it splits the work: docs/design.md, "The copy kernel".
 """
 
 from __future__ import annotations

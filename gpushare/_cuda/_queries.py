@@ -2,7 +2,7 @@
 
 cuda-bindings releases the GIL around every driver call. For
 ``cuCtxGetCurrent``, ``cuStreamQuery``, ``cuEventQuery`` and ``cuEventRecord``,
-which do not wait for the device and last microseconds, that lets another
+which do not wait for the device and return at once, that lets another
 thread (a Queue's feeder, woken by the put before) take the GIL in the middle
 of a put or a publish, and the caller then waits for it to give the GIL back.
 :class:`_Queries` calls these four on the driver library cuda-bindings already

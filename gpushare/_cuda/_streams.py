@@ -1,19 +1,11 @@
 """Streams and events: stream ordering within a process and between processes.
 
-An interprocess event (:func:`event_create_ipc`) is created once, its 64-byte
-handle opened once by each consumer (:func:`event_open`, a slow driver call), and
-then recorded and waited on at every handoff. A plain event
-(:func:`event_create`) orders work within this process. The per-handoff calls
-(:func:`event_record`, :func:`stream_wait_event`, :func:`stream_idle`,
-:func:`event_done`) enter the device's context through
-:func:`~gpushare._cuda._driver._enter`; the two queries and the record go first
-through the GIL-keeping :class:`~gpushare._cuda._queries._Queries` and fall back
-to cuda-bindings (:func:`_finished`). Every other call pushes the primary
-context for its duration (:class:`~gpushare._cuda._driver.on_device`).
-
-The loaded driver, the primary contexts and the queries are state of
-:mod:`gpushare._cuda._driver`, set lazily: they are read from there at call
-time (``_driver.<name>``: one attribute lookup), never copied here.
+- An interprocess event (:func:`event_create_ipc`) is made once; each consumer opens its
+  handle once (:func:`event_open`), then records and waits on it at every handoff.
+- A plain event (:func:`event_create`) orders work within this process.
+- The per-handoff calls (:func:`event_record`, :func:`stream_wait_event`, :func:`stream_idle`,
+  :func:`event_done`) enter through :func:`~gpushare._cuda._driver._enter`; the queries and
+  the record keep the GIL where they can (:func:`_finished` is the fallback).
 """
 
 from __future__ import annotations
@@ -63,8 +55,8 @@ def event_record(event: Any, ordinal: int, stream: int = 0) -> None:
     """Record ``event`` on ``stream`` (0: the legacy default stream, where torch's default work runs).
 
     Through the GIL-keeping call when the device's primary context is current on
-    this thread (the common case: a few microseconds, and no other thread runs in
-    the middle of a handoff), else through cuda-bindings."""
+    this thread (the common case: a short call, and no other thread runs in the
+    middle of a handoff), else through cuda-bindings."""
     queries = _driver._queries
     if queries is not None and queries.record(_driver._primary_ints.get(ordinal), int(event), stream):
         return
