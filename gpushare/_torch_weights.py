@@ -34,8 +34,8 @@ How each works:
   kernel for the tensors on the set's GPU, one launch per 96 tensors;
   ``torch._foreach_copy_`` for the rest and on the host), and publishes the draft
   with that stream: the version's ready event is recorded after the copies.
-  Nothing waits on the host. The torch tensors over each version are made
-  once per version and kept with the set (making 200 tensors through DLPack
+  Nothing waits on the host. The torch tensors over each slot are made
+  once per slot and kept with the set (making 200 tensors through DLPack
   would cost milliseconds per publish), and so is where each tensor of the
   state dict goes (:class:`_PublishPlan`), used again while the state dict
   holds the same tensors at the same addresses.
@@ -46,12 +46,12 @@ How each works:
   the next, as for :func:`bind` (a plan of its own in the module).
 * :func:`draft_tensors` gives a draft's tensors as torch tensors, for a
   trainer that writes its update in place (``d = ts.draft()``, write,
-  ``ts.publish(d)``): the same per-version tensors ``publish_state_dict``
+  ``ts.publish(d)``): the same per-slot tensors ``publish_state_dict``
   copies into.
 * :func:`bind` makes each parameter and buffer of a module a tensor viewing
   the snapshot's memory (``param.data = view``; buffers are replaced), so
   the module runs on the published weights with no copy. The tensors over
-  each version slot are made once per reader (through DLPack on CUDA) and
+  each slot are made once per reader (through DLPack on CUDA) and
   reused for every version later bound from that slot; each bind makes
   torch's current stream wait for the version's ready event. The module
   keeps the snapshot; the next ``bind`` releases the one before, after
@@ -163,8 +163,8 @@ def draft_tensors(draft: Any) -> Mapping[str, torch.Tensor]:
     """Every tensor of a draft (``ts.draft()``) as a torch tensor to write in place: a read-only
     mapping of names to tensors, in microseconds.
 
-    The tensors are made once per version of the set and reused by every later
-    draft of that version (:func:`as_tensors` makes one per view, each time:
+    The tensors are made once per slot of the set and reused by every later
+    draft of that slot (:func:`as_tensors` makes one per view, each time:
     milliseconds for a model's worth of tensors on CUDA). They view the draft's
     version but do not hold it: write them on the draft's ``stream`` while the
     draft is out, then ``ts.publish(draft)``; once it is published or
@@ -172,7 +172,7 @@ def draft_tensors(draft: Any) -> Mapping[str, torch.Tensor]:
     :class:`~gpushare.BufferReleasedError` for a draft already published or
     released.
     """
-    draft._out()  # the draft is still out
+    draft._held()  # the draft is still out
     return _version_tensors(draft._set, draft.slot)
 
 
@@ -320,25 +320,25 @@ class _PublishPlan:
 
 
 def _version_tensors(tensor_set: Any, slot: int) -> Mapping[str, torch.Tensor]:
-    """Torch tensors over every tensor of version ``slot`` (names -> tensors, read-only, in
-    layout order), made once per version.
+    """Torch tensors over every tensor of slot ``slot`` (names -> tensors, read-only, in
+    layout order), made once per slot.
 
     Making a tensor from a Buffer costs tens of microseconds (DLPack); a trainer that
     publishes a 200-tensor state dict every step would pay milliseconds. These views are
     written only while a draft of that version is out (:func:`publish_state_dict`,
     :func:`draft_tensors`).
     """
-    return _slot_tensors(tensor_set._adapters, slot, lambda: tensor_set._version_buffer(slot), tensor_set.layout)
+    return _slot_tensors(tensor_set._adapters, slot, lambda: tensor_set._slot_buffer(slot), tensor_set.layout)
 
 
 def _snapshot_tensors(snapshot: Any) -> Mapping[str, torch.Tensor]:
-    """An engine's torch tensors over every tensor of ``snapshot``'s version slot, made once per
+    """An engine's torch tensors over every tensor of ``snapshot``'s slot, made once per
     slot in this reader (as :func:`_version_tensors` for the trainer).
 
     They hold no version: whoever uses them holds the snapshot (:func:`bind` keeps it in the
     module), and orders its stream after the snapshot's ready event (``_order_stream``).
     """
-    return _slot_tensors(snapshot._adapters, snapshot.slot, snapshot._version_buffer, snapshot.layout)
+    return _slot_tensors(snapshot._adapters, snapshot.slot, snapshot._slot_buffer, snapshot.layout)
 
 
 def _slot_tensors(adapters: dict[str, Any], slot: int, version_buffer: Any, layout: Any) -> Mapping[str, torch.Tensor]:
@@ -418,7 +418,7 @@ def bind(module: torch.nn.Module, snapshot: Any, *, strict: bool = True) -> Inco
     device; on CUDA, torch's current stream waits for the version's writes.
 
     The module is what holds the version: its tensors view memory that this
-    process maps once per version slot and reuses for every version bound
+    process maps once per slot and reuses for every version bound
     later (a rebind costs microseconds a tensor, not a DLPack export each).
     A tensor taken from the module does not hold the version on its own:
     once the module is rebound or dropped, the trainer may rewrite it.
@@ -427,7 +427,7 @@ def bind(module: torch.nn.Module, snapshot: Any, *, strict: bool = True) -> Inco
     plan = _BindPlan.kept(module, snapshot, strict) if reader else None
     if plan is None:
         own, keys = _match(module, snapshot, strict)
-        # A reader's snapshot: the module's tensors over its version slot are made once
+        # A reader's snapshot: the module's tensors over its slot are made once
         # per slot (DLPack on CUDA: milliseconds a version for a 200-tensor model), and
         # where each goes in the module is worked out once (module.state_dict() walks
         # every submodule, as load_state_dict() notes) and checked after.
@@ -495,7 +495,7 @@ class _BindPlan:
     parameter or buffer added, removed or replaced; another layout; another
     ``strict``) makes the next bind work it out again, as the first did.
 
-    The tensors themselves, detached views over each version slot (one object per
+    The tensors themselves, detached views over each slot (one object per
     module, so that no two modules share a buffer object), are kept with the reader
     (its ``adapters``, weakly keyed by module), so the reader's close lets go of them.
     """
@@ -594,7 +594,7 @@ class _BindPlan:
         return True
 
     def tensors(self, module: torch.nn.Module, snapshot: Any) -> list[torch.Tensor]:
-        """This module's tensors over ``snapshot``'s version slot (made on its first bind to the slot)."""
+        """This module's tensors over ``snapshot``'s slot (made on its first bind to it)."""
         kept = snapshot._adapters.setdefault("torch-bind", weakref.WeakKeyDictionary())
         slots = kept.get(module)
         if slots is None:
