@@ -5,7 +5,7 @@
   gives a draft's tensors, to write in place.
 - Engine, copy mode: :func:`load_state_dict` copies a snapshot into the module (one batched copy).
 - Engine, zero-copy: :func:`bind` makes the module's tensors view a snapshot, which it keeps.
-- Torch tensors over each version are made once and kept; so is where each tensor goes (a plan).
+- Torch tensors over each slot are made once and kept; so is where each tensor goes (a plan).
 torch is imported with this module; gpushare's core never imports it.
 How each works: docs/design.md, "Tensor sets (weight sync)".
 """
@@ -111,8 +111,8 @@ def draft_tensors(draft: Any) -> Mapping[str, torch.Tensor]:
     """Every tensor of a draft (``ts.draft()``) as a torch tensor to write in place: a read-only
     mapping of names to tensors, in microseconds.
 
-    The tensors are made once per version of the set and reused by every later
-    draft of that version (:func:`as_tensors` makes one per view, each time:
+    The tensors are made once per slot of the set and reused by every later
+    draft of that slot (:func:`as_tensors` makes one per view, each time:
     milliseconds for a model's worth of tensors on CUDA). They view the draft's
     version but do not hold it: write them on the draft's ``stream`` while the
     draft is out, then ``ts.publish(draft)``; once it is published or
@@ -120,7 +120,7 @@ def draft_tensors(draft: Any) -> Mapping[str, torch.Tensor]:
     :class:`~gpushare.BufferReleasedError` for a draft already published or
     released.
     """
-    draft._out()  # the draft is still out
+    draft._held()  # the draft is still out
     return _version_tensors(draft._set, draft.slot)
 
 
@@ -268,25 +268,25 @@ class _PublishPlan:
 
 
 def _version_tensors(tensor_set: Any, slot: int) -> Mapping[str, torch.Tensor]:
-    """Torch tensors over every tensor of version ``slot`` (names -> tensors, read-only, in
-    layout order), made once per version.
+    """Torch tensors over every tensor of slot ``slot`` (names -> tensors, read-only, in
+    layout order), made once per slot.
 
     Making a tensor from a Buffer is a DLPack export; a trainer that publishes a state
     dict of hundreds of tensors every step would pay one per tensor. These views are
     written only while a draft of that version is out (:func:`publish_state_dict`,
     :func:`draft_tensors`).
     """
-    return _slot_tensors(tensor_set._adapters, slot, lambda: tensor_set._version_buffer(slot), tensor_set.layout)
+    return _slot_tensors(tensor_set._adapters, slot, lambda: tensor_set._slot_buffer(slot), tensor_set.layout)
 
 
 def _snapshot_tensors(snapshot: Any) -> Mapping[str, torch.Tensor]:
-    """An engine's torch tensors over every tensor of ``snapshot``'s version slot, made once per
+    """An engine's torch tensors over every tensor of ``snapshot``'s slot, made once per
     slot in this reader (as :func:`_version_tensors` for the trainer).
 
     They hold no version: whoever uses them holds the snapshot (:func:`bind` keeps it in the
     module), and orders its stream after the snapshot's ready event (``_order_stream``).
     """
-    return _slot_tensors(snapshot._adapters, snapshot.slot, snapshot._version_buffer, snapshot.layout)
+    return _slot_tensors(snapshot._adapters, snapshot.slot, snapshot._slot_buffer, snapshot.layout)
 
 
 def _slot_tensors(adapters: dict[str, Any], slot: int, version_buffer: Any, layout: Any) -> Mapping[str, torch.Tensor]:
@@ -366,7 +366,7 @@ def bind(module: torch.nn.Module, snapshot: Any, *, strict: bool = True) -> Inco
     device; on CUDA, torch's current stream waits for the version's writes.
 
     The module is what holds the version: its tensors view memory that this
-    process maps once per version slot and reuses for every version bound
+    process maps once per slot and reuses for every version bound
     later (a rebind costs microseconds a tensor, not a DLPack export each).
     A tensor taken from the module does not hold the version on its own:
     once the module is rebound or dropped, the trainer may rewrite it.
@@ -375,7 +375,7 @@ def bind(module: torch.nn.Module, snapshot: Any, *, strict: bool = True) -> Inco
     plan = _BindPlan.kept(module, snapshot, strict) if reader else None
     if plan is None:
         own, keys = _match(module, snapshot, strict)
-        # A reader's snapshot: the module's tensors over its version slot are made once
+        # A reader's snapshot: the module's tensors over its slot are made once
         # per slot (DLPack on CUDA: one export per tensor, a cost per version), and
         # where each goes in the module is worked out once (module.state_dict() walks
         # every submodule, as load_state_dict() notes) and checked after.
@@ -443,7 +443,7 @@ class _BindPlan:
     parameter or buffer added, removed or replaced; another layout; another
     ``strict``) makes the next bind work it out again, as the first did.
 
-    The tensors themselves, detached views over each version slot (one object per
+    The tensors themselves, detached views over each slot (one object per
     module, so that no two modules share a buffer object), are kept with the reader
     (its ``adapters``, weakly keyed by module), so the reader's close lets go of them.
     """
@@ -542,7 +542,7 @@ class _BindPlan:
         return True
 
     def tensors(self, module: torch.nn.Module, snapshot: Any) -> list[torch.Tensor]:
-        """This module's tensors over ``snapshot``'s version slot (made on its first bind to the slot)."""
+        """This module's tensors over ``snapshot``'s slot (made on its first bind to it)."""
         kept = snapshot._adapters.setdefault("torch-bind", weakref.WeakKeyDictionary())
         slots = kept.get(module)
         if slots is None:

@@ -371,9 +371,9 @@ def test_an_item_still_out_keeps_its_slot_after_either_end_closes(manager) -> No
     kept.fill(9)
 
     consumer.close()
-    ends = consumer._orphans
+    ends = consumer._end.orphans
     consumer._shut()  # a second ending (e.g. the close met in another thread's get) keeps them
-    assert consumer._orphans is ends
+    assert consumer._end.orphans is ends
     assert [b.released for b in ends] == [slot not in (first.slot, second.slot) for slot in range(3)]
     assert (int(first.numpy()[0, 0]), int(second.numpy()[-1, -1])) == (7, 8)
     first.release()
@@ -401,7 +401,7 @@ def test_handoffs_send_nothing_on_the_socket(manager) -> None:
     inline (and the end of the ring) uses the consumer's socket."""
     with manager.ring(SHAPE, "int32", device="cpu", slots=2, consumers=1) as ring:
         consumer = pickle.loads(pickle.dumps(ring))
-        fd = consumer._conn.fileno()
+        fd = consumer._end.conn.fileno()
         for step in range(6):
             buf = ring.acquire(timeout=5)
             buf.fill(step)

@@ -1,63 +1,22 @@
-"""One consumer's shared-memory channel: the hot path of the ring.
+"""One reader's shared-memory channel: release words, and the ring's entries.
 
-The producer makes one channel per registered consumer: an anonymous
-shared-memory file (``memfd_create``) and an eventfd that wakes the
-consumer, both sent once, by SCM_RIGHTS, during registration, together
-with the ring's one *release* eventfd that wakes the producer. After that
-a handoff writes a few bytes of shared memory and one eventfd counter;
-no socket message, no pickle.
+The producer makes one per registered reader (a ``memfd``, sent by SCM_RIGHTS
+at registration). Every word has one writer, so it needs no lock and no
+memory barrier (docs/design.md, "The channel", says why). Layout,
+little-endian, byte offsets, ``n`` slots::
 
-Layout (little-endian, offsets in bytes; ``n`` = slots)
-------------------------------------------------------
-``0 .. 64``        reserved (zero).
-``64 + 8*s``       *release word* of slot ``s``: ``sequence + 1`` of the
-                   last publication of ``s`` this consumer released (0:
-                   none yet), plus ``RECORDED`` (bit 63) when the consumer
-                   recorded its release event for it (CUDA: its reads were
-                   still queued). Written only by the consumer.
-``entries``        ``n`` entries of ``ENTRY`` bytes (64-aligned): entry
-                   ``i`` (the ``i``-th item published to this consumer)
-                   lives at ``entries + ENTRY * (i % n)``. Written only by
-                   the producer::
+    0 .. 64       reserved (zero)
+    64 + 8*s      release word of slot s (reader): stamp + 1 of the last hold of s
+                  released (0: none yet), | RECORDED (bit 63) when it recorded its
+                  release event
+    entries       n entries of ENTRY bytes, 64-aligned (producer; the ring only):
+                  entry i at entries + ENTRY * (i % n):
+                  u64 seal | u64 sequence | u32 slot | u32 meta length | meta
 
-                       u64 stamp | u64 sequence | u32 slot | u32 meta length | meta
-
-                   ``slot`` carries ``SLOT_RECORDED`` (bit 31) when the producer
-                   recorded the slot's ready event for this publication
-                   (CUDA: its writes were still queued); without it the
-                   consumer waits for nothing.
-                   ``stamp`` is ``((i + 1) mod 2**32) << 32 | crc32(body, seed i)``
-                   (``+ 1``: a zeroed, never written entry matches no index); a
-                   meta length of ``META_ON_SOCKET`` means the pickled meta was
-                   too long to go inline and follows on the socket instead.
-
-Why no lock, no head counter and no memory barrier
---------------------------------------------------
-Every word has one writer. The consumer takes entry ``i`` only when its
-stamp matches ``i`` *and* the checksum of what it read: an entry still
-being written, or one left from the previous lap, fails the check and is
-read again later (the same rule as the lease journal, ``_journal``). The
-producer never overwrites an entry the consumer has not read: entry
-``i + n`` is published into a slot this consumer does not hold, so at
-most ``n - 1`` of the entries ``i + 1 .. i + n - 1`` are unreleased, so
-one of them was released, so (items are taken in order and released only
-after they are taken) entry ``i`` was read. A release word is one aligned
-8-byte store; the producer frees a slot for a consumer only when the word
-equals the publication's ``sequence + 1`` exactly.
-
-Waking
-------
-Eventfd counters never lose a wakeup: the producer writes the entry and
-then adds 1 to the consumer's eventfd (a system call, after the stores);
-the consumer looks at the entry, and only if it is not there yet waits in
-``poll`` on that eventfd *and* its socket (so a producer that dies wakes
-it too), reads the counter, and looks again. The same in the other
-direction with the release eventfd, which the producer polls together
-with every consumer socket. A side that spins (``spin=``, see the package's
-docstring) checks the shared words in a loop first and polls only when its
-spin time is over;
-the other side still writes the eventfd every time, so a spinner that has
-just given up and gone to sleep is woken.
+``seal`` is ``((i + 1) mod 2**32) << 32 | crc32(body, seed i)`` (``+ 1``: a
+never written entry matches no index); ``slot`` carries ``SLOT_RECORDED``
+(bit 31) when the slot's ready event was recorded; a meta length of
+``META_ON_SOCKET`` means the meta follows on the socket.
 """
 
 from __future__ import annotations
@@ -81,14 +40,14 @@ __all__ = [
 ]
 
 ENTRY = 256
-_ENTRY_HEAD = struct.Struct("<QQII")  # stamp, sequence, slot, meta length
-_BODY = struct.Struct("<QII")  # sequence, slot, meta length (what the stamp's checksum covers, after i)
+_ENTRY_HEAD = struct.Struct("<QQII")  # seal, sequence, slot, meta length
+_BODY = struct.Struct("<QII")  # sequence, slot, meta length (what the seal's checksum covers, after i)
 _WORD = struct.Struct("<Q")
 INLINE_META = ENTRY - _ENTRY_HEAD.size
 META_ON_SOCKET = 0xFFFFFFFF
 SLOT_RECORDED = 1 << 31  # in an entry's slot field: the producer recorded the slot's ready event
-RECORDED = 1 << 63  # in a release word: the consumer recorded its release event
-_SEQUENCE = RECORDED - 1
+RECORDED = 1 << 63  # in a release word: the reader recorded its release event
+_STAMP = RECORDED - 1
 _RELEASES_AT = 64
 
 
@@ -127,7 +86,7 @@ def _entries_at(slots: int) -> int:
 
 
 class Channel:
-    """Both ends of one consumer's shared segment (each process maps it once)."""
+    """Both ends of one reader's shared segment (each process maps it once)."""
 
     __slots__ = ("_at", "_entries", "fd", "mm", "slots")
 
@@ -140,7 +99,7 @@ class Channel:
 
     @classmethod
     def create(cls, slots: int) -> Channel:
-        """The producer's end: a new zeroed segment (its fd goes to the consumer)."""
+        """The producer's end: a new zeroed segment (its fd goes to the reader)."""
         fd = os.memfd_create("gpushare-ring", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, _size(slots))
@@ -151,10 +110,10 @@ class Channel:
 
     @classmethod
     def attach(cls, fd: int, slots: int) -> Channel:
-        """The consumer's end, from the fd it received; checks the size first."""
+        """The reader's end, from the fd it received; checks the size first."""
         if os.fstat(fd).st_size != _size(slots):
             os.close(fd)
-            raise ValueError("the ring's shared segment has the wrong size for its slot count")
+            raise ValueError("the fan-out's shared segment has the wrong size for its slot count")
         return cls(fd, slots)
 
     # -- producer -> consumer: entries ----------------------------------------------
@@ -172,8 +131,8 @@ class Channel:
         if meta:
             mm[at + _ENTRY_HEAD.size : at + _ENTRY_HEAD.size + len(meta)] = meta
             check = zlib.crc32(meta, check)
-        # One store for the stamp and the body: the order in which they become visible
-        # does not matter, since a consumer takes the entry only when the stamp's
+        # One store for the seal and the body: the order in which they become visible
+        # does not matter, since a consumer takes the entry only when the seal's
         # checksum matches what it read.
         _ENTRY_HEAD.pack_into(mm, at, ((index + 1) & 0xFFFFFFFF) << 32 | check, sequence, slot, length)
 
@@ -183,30 +142,30 @@ class Channel:
         ``SLOT_RECORDED`` if the producer set it."""
         at = self._at[index % self.slots]
         mm = self.mm
-        stamp, sequence, slot, length = _ENTRY_HEAD.unpack_from(mm, at)
-        if stamp >> 32 != (index + 1) & 0xFFFFFFFF:
+        seal, sequence, slot, length = _ENTRY_HEAD.unpack_from(mm, at)
+        if seal >> 32 != (index + 1) & 0xFFFFFFFF:
             return None
         # The fields as read, packed again, are what the producer's checksum covered.
         check = zlib.crc32(_BODY.pack(sequence, slot, length), index & 0xFFFFFFFF)
         if not length or length == META_ON_SOCKET:
-            if check != stamp & 0xFFFFFFFF:
+            if check != seal & 0xFFFFFFFF:
                 return None  # torn: still being written
             return slot, sequence, None if length else b""
         start = at + _ENTRY_HEAD.size
         meta = mm[start : start + min(length, INLINE_META)]
-        if zlib.crc32(meta, check) != stamp & 0xFFFFFFFF:
+        if zlib.crc32(meta, check) != seal & 0xFFFFFFFF:
             return None
         return slot, sequence, meta
 
-    # -- consumer -> producer: release words ----------------------------------------
-    def release(self, slot: int, sequence: int, recorded: bool = False) -> None:
-        _WORD.pack_into(self.mm, _RELEASES_AT + 8 * slot, sequence + 1 | (RECORDED if recorded else 0))
+    # -- reader -> producer: release words ----------------------------------------
+    def release(self, slot: int, stamp: int, recorded: bool = False) -> None:
+        _WORD.pack_into(self.mm, _RELEASES_AT + 8 * slot, stamp + 1 | (RECORDED if recorded else 0))
 
-    def released(self, slot: int, sequence: int) -> int:
-        """0 if the consumer has not released publication ``sequence`` of ``slot``; else
-        the release word (test ``& RECORDED`` for its release event)."""
+    def released(self, slot: int, stamp: int) -> int:
+        """0 if the reader has not released its hold ``stamp`` of ``slot``; else the release
+        word (test ``& RECORDED`` for its release event)."""
         word: int = _WORD.unpack_from(self.mm, _RELEASES_AT + 8 * slot)[0]
-        return word if word & _SEQUENCE == sequence + 1 else 0
+        return word if word & _STAMP == stamp + 1 else 0
 
     def close(self) -> None:
         try:

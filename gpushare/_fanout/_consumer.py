@@ -1,48 +1,32 @@
-"""The consumer's end of a ring: registration, taking entries, releasing slots.
+"""The ring's policy, consumer side: every published slot, in publication order.
 
-See :mod:`gpushare._fanout` for the protocol and :mod:`._channel` for the
-shared segment this end reads entries from and writes release words to.
+:meth:`RingConsumer.get` takes the next entry of this consumer's channel
+(spinning, then sleeping on its item eventfd and its socket) and hands its
+slot out as a :class:`~._item.RingItem`; releasing the item gives the slot
+back (:meth:`~._slots.ReaderEnd.release`). The socket brings metas too long
+for their entry, the end, or EOF.
 """
 
 from __future__ import annotations
 
 import collections
-import logging
 import os
 import select
-import socket
 import time
-import weakref
 from collections.abc import Iterator
-from multiprocessing import AuthenticationError, connection, current_process, reduction
+from multiprocessing import current_process
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, NoReturn
 
-from .. import _cuda
-from .._authsocket import connect, shutdown_socket, socket_timeouts
 from .._buffer import Buffer
 from .._errors import GpushareError, OwnerGoneError, RingClosedError, WaitTimeoutError
-from ._channel import SLOT_RECORDED, Channel, poke, soak
+from ._channel import SLOT_RECORDED, Channel, soak
 from ._item import RingItem, SlotView, slot_view
-from ._wire import CLOSED, META, REGISTER_TIMEOUT, SPIN_LOOKS, Frames, SpinPolicy, poll_ms
+from ._service import CLOSED, META, RING, Frames, read_frame, register
+from ._slots import ReaderEnd
+from ._wire import SPIN_LOOKS, SpinPolicy, poll_ms
 
 __all__ = ["RingConsumer", "attach"]
-
-log = logging.getLogger("gpushare")
-
-
-def _close_handles(handles: list[Any]) -> None:
-    """A consumer end collected without close(): its raw fds and its channel."""
-    for handle in handles:
-        try:
-            if isinstance(handle, int):
-                if handle >= 0:
-                    os.close(handle)
-            else:
-                handle.close()
-        except OSError:
-            pass
-    handles.clear()
 
 
 def attach(address: str, info: dict[str, Any]) -> RingConsumer:
@@ -67,99 +51,38 @@ class RingConsumer:
         self._address = address
         self._info = info
         self._spin = SpinPolicy(float(info.get("spin", 0.0)), bool(info.get("adaptive", False)))
-        self._conn: connection.Connection | None = None
-        self._frames = Frames(-1)
-        self._poller: Any = None
-        self._channel: Channel | None = None
-        self._wake = -1  # eventfd the producer pokes per item
-        self._release_fd = -1  # eventfd this end pokes per release
+        self._end = end = ReaderEnd()
         self._index = 0  # entries taken
         self._metas: collections.deque[bytes] = collections.deque()  # metas that came on the socket
         self._ending: tuple[type[GpushareError], str] | None = None  # seen on the socket; raised once drained
-        self._buffers: list[Buffer] = []
-        self._views: list[SlotView] = []  # what each slot's items are made from
-        # Per slot: whether an item of it is out (a slot has at most one at a time:
-        # the producer republishes it only after this end released it). Once the end
-        # is shut, _orphans holds the slots' Buffers that items still use; each goes
-        # when its item does.
-        self._out: list[bool] = []
-        self._orphans: list[Buffer] | None = None
-        self._device: int | str = "cpu"
-        self._slot_events: list[Any] = []  # the producer's per-slot ready events, opened here
-        self._release_events: list[Any] = []  # ours, recorded at each release (CUDA)
         self._error: tuple[type[GpushareError], str] | None = None
         self._closed: str | None = None
-        # Raw fds and the channel: closed by _shut, or, for an end dropped without close(),
-        # when it is collected (no item of it is alive then: items refer to their end).
-        self._handles: list[Any] = []
-        weakref.finalize(self, _close_handles, self._handles).atexit = False  # at exit the process closes them
         try:
-            self._register()
+            closed = register(end, address, bytes(current_process().authkey), int(info["pid"]), RING)
         except GpushareError as exc:
-            self._error = (type(exc), str(exc))
+            closed, self._error = None, (type(exc), str(exc))
+        # What get() reads per item, bound once: the channel (None once shut), what each
+        # slot's items are made from, the producer's ready events, and which slots have an
+        # item out (at most one each: the producer republishes a slot only once this end
+        # released it). An item borrows its slot's Buffer (ReaderEnd.lent) and gives the
+        # slot back through the end itself.
+        self._channel: Channel | None = end.channel
+        self._views: list[SlotView] = [slot_view(b) for b in end.buffers]
+        self._slot_events = end.slot_events
+        self._lent = end.lent
+        self._release = end.release
+        self._frames = Frames(-1)
+        self._poller: Any = None
+        if closed is not None:
+            self._closed = f"the ring was closed: {closed.reason}"
+        if self._error is not None or closed is not None:
             self._shut()
-
-    def _register(self) -> None:
-        pid = self._info["pid"]
-        try:
-            self._conn = conn = connect(self._address, bytes(current_process().authkey), REGISTER_TIMEOUT)
-            socket_timeouts(conn.fileno(), REGISTER_TIMEOUT, REGISTER_TIMEOUT)
-            conn.send(("hello", os.getpid()))
-            reply = conn.recv()  # maps every slot (claims one lease each)
-            if reply[0] == "closed":
-                self._closed = f"the ring was closed: {reply[1]}"
-                self._shut()
-                return
-            self._buffers = list(reply[1])
-            self._views = [slot_view(b) for b in self._buffers]
-            self._out = [False] * len(self._buffers)
-            with socket.socket(fileno=os.dup(conn.fileno())) as raw:
-                fd, self._wake, self._release_fd = reduction.recvfds(raw, 3)
-            try:
-                self._channel = Channel.attach(fd, self.slots)
-            except ValueError as exc:
-                raise OSError(str(exc)) from exc
-            self._handles += [self._wake, self._release_fd, self._channel]
-            self._device = self._buffers[0].device if self._buffers else "cpu"
-            handles = self._cuda_events(reply[2])
-            conn.send(("ready", handles))
-            reply = conn.recv()
-            if reply[0] == "closed":  # closed while this consumer registered
-                self._closed = f"the ring was closed: {reply[1]}"
-                self._shut()
-                return
-            socket_timeouts(conn.fileno(), 0, 0)
-        except AuthenticationError as exc:
-            raise OwnerGoneError(
-                f"the ring's producer (pid {pid}) refused this process: authentication failed. A ring "
-                "is shared only with processes started from the producer's process tree (same "
-                "multiprocessing authkey)"
-            ) from exc
-        except (OSError, EOFError) as exc:
-            raise OwnerGoneError(
-                f"cannot register with the ring's producer (pid {pid}) at {self._address} ({exc}): "
-                "it closed the ring or exited"
-            ) from exc
-        self._frames = Frames(conn.fileno())
+            return
+        fd = end.conn.fileno()
+        self._frames = Frames(fd)
         self._poller = select.poll()
-        self._poller.register(conn.fileno(), select.POLLIN)
-        self._poller.register(self._wake, select.POLLIN)
-
-    def _cuda_events(self, handles: list[bytes]) -> list[bytes]:
-        """Open the producer's slot events; make ours (their handles go to the producer)."""
-        device = self._device
-        if not isinstance(device, int) or self._info["pid"] == os.getpid():
-            # Host memory needs no events. A consumer in the producer's own process
-            # cannot open the producer's interprocess events (the driver refuses), and
-            # needs none: both ends share the context's legacy default stream.
-            return []
-        self._slot_events = [_cuda.event_open(h, device) for h in handles]
-        mine = []
-        for _ in range(self.slots):
-            event, handle = _cuda.event_create_ipc(device)
-            self._release_events.append(event)
-            mine.append(handle)
-        return mine
+        self._poller.register(fd, select.POLLIN)
+        self._poller.register(end.wake, select.POLLIN)
 
     @property
     def slots(self) -> int:
@@ -182,7 +105,7 @@ class RingConsumer:
 
     @property
     def closed(self) -> bool:
-        return self._conn is None
+        return self._channel is None
 
     @property
     def received(self) -> int:
@@ -206,7 +129,7 @@ class RingConsumer:
         """
         channel = self._channel
         views = self._views
-        if channel is None or self._conn is None:
+        if channel is None:
             self._raise_unusable()
         index = self._index
         entry = channel.take(index)
@@ -220,9 +143,9 @@ class RingConsumer:
             recorded = True
         else:
             recorded = False
-        self._out[slot] = True
-        if self._orphans is not None:  # shut by another thread meanwhile (see _shut)
-            self._out[slot] = False
+        self._lent[slot] = True
+        if self._end.orphans is not None:  # shut by another thread meanwhile (see _shut)
+            self._lent[slot] = False
             self._raise_unusable()
         self._index = index + 1
         view = views[slot]
@@ -230,7 +153,7 @@ class RingConsumer:
             # One item per slot at a time, so the slot's Memory waits for this publication:
             # on its event if the producer recorded it (else its writes were done at publish).
             view[0].arm(self._slot_events[slot], recorded)
-        return RingItem(view, self, slot, seq, seq, ForkingPickler.loads(meta) if meta else None, self._on_release)
+        return RingItem(view, self, slot, seq, seq, ForkingPickler.loads(meta) if meta else None, self._release)
 
     def _wait(self, channel: Channel, index: int, timeout: float | None) -> tuple[int, int, bytes | None]:
         """Entry ``index`` once it is written: spin, then sleep on the eventfd and the socket."""
@@ -268,11 +191,11 @@ class RingConsumer:
                     "published nothing new for this consumer)"
                 )
             for fd, _ in self._poller.poll(poll_ms(remaining)):
-                if fd == self._wake:
+                if fd == self._end.wake:
                     soak(fd)
                 else:
                     self._read_socket()
-            if self._conn is None:  # closed by this process meanwhile
+            if self._channel is None:  # closed by this process meanwhile
                 self._raise_unusable()
 
     def _read_socket(self) -> None:
@@ -284,10 +207,11 @@ class RingConsumer:
         else:
             why = "EOF"
         while (data := self._frames.pop()) is not None:
-            if data[:1] == bytes([META]):
-                self._metas.append(data[1:])
-            elif data[:1] == bytes([CLOSED]):
-                self._ending = (RingClosedError, f"the ring was closed: {data[1:].decode(errors='replace')}")
+            kind, body = read_frame(data)
+            if kind == META:
+                self._metas.append(body)
+            elif kind == CLOSED:
+                self._ending = (RingClosedError, f"the ring was closed: {body.decode(errors='replace')}")
             else:
                 self._ending = (OwnerGoneError, f"the ring's producer sent a message of unknown kind {data[:1]!r}")
         if not alive and self._ending is None:
@@ -302,7 +226,7 @@ class RingConsumer:
     def _socket_meta(self) -> bytes:
         """The meta of an entry whose meta went on the socket (written before the entry)."""
         while not self._metas:
-            if self._ending is not None or self._conn is None:
+            if self._ending is not None or self._channel is None:
                 self._error = (OwnerGoneError, "the ring's producer went away in the middle of an item")
                 self._shut()
                 self._raise_unusable()
@@ -334,80 +258,35 @@ class RingConsumer:
     def __iter__(self) -> Iterator[Buffer]:
         return self.items()
 
-    # -- releasing ----------------------------------------------------------------
-    def _on_release(self, slot: int, seq: int) -> None:
-        """An item was released or collected: tell the producer (maybe from a finalizer).
-
-        Lock-free: a release word per slot in shared memory, then a poke. On
-        CUDA our release event is recorded first, on the default stream, so
-        the producer's next write of the slot waits for our reads there."""
-        self._out[slot] = False  # before _orphans is read: see _shut
-        orphans = self._orphans
-        if orphans is not None:  # shut: the item was the last user of the slot's Buffer
-            orphans[slot].release()
-            return
-        channel = self._channel
-        if channel is None:
-            return
-        recorded = False
-        if self._release_events:
-            try:
-                # Idle default stream: our reads are done; the release word says so,
-                # and the producer orders nothing after us.
-                recorded = not _cuda.stream_idle(self._device)  # type: ignore[arg-type]
-                if recorded:
-                    _cuda.event_record(self._release_events[slot], self._device)  # type: ignore[arg-type]
-            except Exception:  # e.g. at interpreter exit; keep the slot rather than free it under our reads
-                log.exception("gpushare: could not record the release of ring slot %d; keeping it", slot)
-                return
-        try:
-            channel.release(slot, seq, recorded)
-        except ValueError:  # closed meanwhile by another thread
-            return
-        poke(self._release_fd)
-
     # -- ending ---------------------------------------------------------------------
     def _shut(self) -> None:
-        conn, self._conn = self._conn, None
+        self._channel = None  # first: a get() in another thread stops here
         frames, self._frames = self._frames, Frames(-1)
         frames.fd = -1  # a get() in another thread must never read a closed (maybe reused) fd number
         self._poller = None
-        channel, self._channel = self._channel, None
-        wake, release_fd, self._wake, self._release_fd = self._wake, self._release_fd, -1, -1
-        self._handles.clear()  # closed here, below: not again by the finalizer
-        buffers, self._buffers = self._buffers, []
+        end = self._end
+        buffers, end.buffers = end.buffers, []
         self._views = []
-        # Items still out keep their slot's Buffer until they go (_on_release). _orphans
-        # is set before _out is read, and _on_release clears _out before it reads
-        # _orphans: whichever runs second releases the Buffer (release() is idempotent).
-        # Set once: a second _shut (its _buffers already empty) must not replace it.
-        if self._orphans is None:
-            self._orphans = buffers
+        # Items still out keep their slot's Buffer until they go (ReaderEnd.release). orphans
+        # is set before lent is read, and a release clears lent before it reads orphans:
+        # whichever runs second releases the Buffer (release() is idempotent). Set once: a
+        # second _shut (its buffers already empty) must not replace it.
+        if end.orphans is None:
+            end.orphans = buffers
             for slot, b in enumerate(buffers):
-                if not self._out[slot]:
+                if not self._lent[slot]:
                     b.release()
-        if conn is not None:
-            shutdown_socket(conn.fileno())  # wakes a get() blocked in another thread; closing alone would not
-            conn.close()
-        if wake >= 0:
-            poke(wake)  # a get() blocked in another thread
-            os.close(wake)
-        if release_fd >= 0:
-            os.close(release_fd)
-        if channel is not None:
-            channel.close()
-        # Our release events stay open until this process exits: the producer may
-        # still order its next write of a slot after one of them.
+        end.close()  # wakes a get() blocked in another thread
 
     def close(self) -> None:
         """Leave the ring: the producer frees every slot this consumer holds. Idempotent."""
-        if self._conn is not None:
+        if self._channel is not None:
             self._closed = "this consumer was closed in this process"
             self._shut()
 
     def stats(self) -> dict[str, Any]:
         """``slots``, ``received`` (items so far), ``held`` (not yet released), ``closed``."""
-        return {"slots": self.slots, "received": self.received, "held": self._out.count(True), "closed": self.closed}
+        return {"slots": self.slots, "received": self.received, "held": self._lent.count(True), "closed": self.closed}
 
     def __enter__(self) -> RingConsumer:
         return self

@@ -1,53 +1,13 @@
-"""Copies between a tensor set's versions and the tensors of a trainer or an engine.
+"""Copies between a tensor set's slots and a trainer's or an engine's tensors, in one batch.
 
-Two sides use it: the trainer's ``TensorSet.publish(tensors)`` (its tensors
-into a version) and an engine's ``Snapshot.copy_to(targets)`` (a version
-into its own tensors). Both first turn every tensor into a :class:`Region`
-(:func:`region_of`): its address in this process, and the CUDA device it is
-on (None: host memory), after checking it against the layout (shape, dtype
-or tag, size, contiguity, and for targets that it is writable), so a wrong
-tensor is named in a :class:`~gpushare.LayoutError` before anything is
-copied. Accepted: NumPy arrays (host), objects with
-``__cuda_array_interface__`` (CuPy, Numba, gpushare Buffers), and anything
-with ``data_ptr()``, ``element_size()`` and ``is_contiguous()`` (torch
-tensors, on the CPU or a GPU, bfloat16 included: torch refuses
-``__cuda_array_interface__`` for it).
-
-Then one of two paths copies them:
-
-* host memory only: one ``memmove`` per tensor;
-* a GPU involved: the copies go to the driver in one batch
-  (``gpushare._cuda.memcpy_batch_async``: one ``cuMemcpyBatchAsync`` call,
-  or one ``cuMemcpyAsync`` per tensor where the driver lacks it). The
-  batched call refuses the legacy default stream, where most callers'
-  work runs, so the copies run on a private non-blocking stream of this
-  process per device, ordered after the caller's stream by an event (only
-  when that stream has work queued) and after the events the caller names
-  (readers' release events, the version's ready event); an event recorded
-  after them (``done``) is then waited on by the caller's stream, so the
-  caller's later work (the trainer's next step writing its tensors, the
-  engine using its copy) comes after the copies, with no host wait. When
-  host memory is involved the host waits for ``done`` before returning:
-  the host side must be valid (targets) or free to change (sources) then.
-
-Checking a model's couple of hundred tensors one by one in Python takes about
-as long as the GPU takes to copy them (the `weight_sync` benchmark scenario's
-1.1B layout), and an engine or a trainer
-passes the same tensors every time. So each layout remembers the last few
-mappings it checked (:class:`Plan`: weak references to the objects, their
-regions, and the address lists built from them per version): a mapping whose
-values are the same objects as a plan's, each torch tensor still at the same address with
-the same size and dtype (``.data`` may have been replaced), reuses that plan.
-A NumPy array or a CUDA array object cannot move, so its identity is enough;
-what cannot be trusted later (a source copied to make it contiguous, a CUDA
-array whose exporter asked for a stream sync) is never remembered.
-
-Private streams and events live as long as the process (one set per device,
-shared by every tensor set, like the CAI ordering stream of
-:mod:`gpushare._interop`); the later record of the shared ``done`` event
-covers every earlier copy on that in-order stream, so anyone who asks
-whether "their" copies are done gets an answer that may wait for more work,
-never for less.
+``TensorSet.publish(tensors)`` copies into a slot, ``Snapshot.copy_to(targets)``
+out of one. Each tensor is first checked against the layout and becomes a
+:class:`Region` (its address here, its device); a layout remembers the last few
+mappings it checked (:class:`Plan`). Host memory only: one ``memmove`` per
+tensor. A GPU involved: one batched call on this process's private stream of
+that device (:func:`copy_stream`), ordered after the caller's stream and the
+events named, with ``done`` recorded after the copies and waited on by the
+caller's stream. docs/design.md ("Tensor sets") says why.
 """
 
 from __future__ import annotations
@@ -179,7 +139,7 @@ def _host_region(a: np.ndarray[Any, Any], spec: TensorSpec, writable: bool, what
     if not a.flags.c_contiguous:
         if writable:
             raise _mismatch(spec, f"the {what}", "is not C-contiguous", "Copy into a C-contiguous array")
-        a = np.ascontiguousarray(a)  # a source: copied here once, then into the version
+        a = np.ascontiguousarray(a)  # a source: copied here once, then into the slot
     if writable and not a.flags.writeable:
         raise _mismatch(spec, f"the {what}", "is read-only", "Give a writable array")
     return Region(int(a.ctypes.data), None), a
@@ -221,7 +181,7 @@ class Plan:
         self.names: tuple[str, ...] = ()
         self.objects: tuple[Any, ...] = ()
         self.checks: tuple[Any, ...] = ()
-        # per version base address: (version-side addresses, the tensors' addresses, sizes) of the
+        # per slot base address: (slot-side addresses, the tensors' addresses, sizes) of the
         # non-empty tensors, in layout order
         self.addresses: dict[int, tuple[list[int], list[int], list[int]]] = {}
 
@@ -238,7 +198,7 @@ class Plan:
         return True
 
     def lists(self, base: int) -> tuple[list[int], list[int], list[int]]:
-        """``(version addresses, tensor addresses, sizes)`` for the version at ``base``."""
+        """``(slot addresses, tensor addresses, sizes)`` for the slot at ``base``."""
         found = self.addresses.get(base)
         if found is None:
             inside, outside, sizes = [], [], []

@@ -3,7 +3,7 @@
 An item takes no count on its memory. The ring's end (producer or consumer)
 keeps one Buffer per slot, and a slot has at most one item out in each end,
 so that end releases a slot's Buffer only once the slot's item went back
-(see ``Producer.unpublished`` and ``RingConsumer._on_release``). That saves a
+(see ``RingProducer.unpublished`` and ``ReaderEnd.release``). That saves a
 count, a finalizer object and its call per item: the item's finalizer is one
 of two shared marks, :data:`LIVE` or :data:`GONE`.
 """

@@ -1,4 +1,4 @@
-"""The layout of a tensor set: every tensor's place in one allocation per version.
+"""The layout of a tensor set: every tensor's place in a slot (one allocation each).
 
 A layout is decided once, when the set is made, from a mapping of names to
 what describes a tensor (the values give names, shapes and dtypes only):
@@ -16,7 +16,7 @@ NumPy array whose dtype NumPy only knows through an extension
 
 Packing: tensors go in the mapping's order, each at the next multiple of
 :data:`ALIGN` bytes (256: enough for every dtype, for vectorised CUDA
-loads and for ``cuMemcpyBatchAsync``), so a version is one contiguous
+loads and for ``cuMemcpyBatchAsync``), so a slot is one contiguous
 range of :attr:`Layout.nbytes` bytes and each tensor a window of it. The
 layout travels with the set's pickled form as plain values
 (:meth:`Layout.to_wire`) and is checked again when it is read back.
@@ -35,7 +35,7 @@ from .._errors import LayoutError
 
 __all__ = ["ALIGN", "TAG_SIZES", "Layout", "TensorSpec", "align", "make_layout"]
 
-#: Every tensor of a version starts on a multiple of this many bytes.
+#: Every tensor of a slot starts on a multiple of this many bytes.
 ALIGN = 256
 
 #: Dtypes NumPy lacks that a tag may name, with their size in bytes (a tag not listed
@@ -60,13 +60,13 @@ def align(n: int) -> int:
 
 
 class TensorSpec(NamedTuple):
-    """One tensor of a layout: where it lives in a version and what it is."""
+    """One tensor of a layout: where it lives in a slot and what it is."""
 
     name: str
     shape: tuple[int, ...]
     dtype: np.dtype[Any]  # how it is stored (an unsigned int of the tag's size when tagged)
     tag: str | None  # the dtype NumPy lacks, e.g. "bfloat16"; None for plain NumPy dtypes
-    offset: int  # bytes from the start of the version, a multiple of ALIGN
+    offset: int  # bytes from the start of the slot, a multiple of ALIGN
     nbytes: int
 
     @property
@@ -79,7 +79,7 @@ class TensorSpec(NamedTuple):
 
 
 class Layout(Mapping[str, TensorSpec]):
-    """Names -> :class:`TensorSpec`, in packing order; ``nbytes`` is one version's size."""
+    """Names -> :class:`TensorSpec`, in packing order; ``nbytes`` is one slot's size."""
 
     __slots__ = ("_specs", "names", "nbytes", "plans")
 
@@ -198,7 +198,7 @@ def _from_dtype(name: str, shape: Any, dtype: Any) -> tuple[tuple[int, ...], np.
 
 
 def make_layout(layout: Mapping[str, Any]) -> Layout:
-    """Pack ``layout`` (names -> arrays or ``(shape, dtype[, tag])``) into one version's places."""
+    """Pack ``layout`` (names -> arrays or ``(shape, dtype[, tag])``) into one slot's places."""
     if isinstance(layout, Layout):
         return layout
     if not isinstance(layout, Mapping):

@@ -1,38 +1,33 @@
 """The producer's end of a ring as the user holds it: :class:`Ring`, and :func:`create_ring`.
 
-A Ring is a thin handle on a :class:`~._producer.Producer` (the slot states,
-the registration service, publishing); pickling it gives a consumer end
-(:class:`~._consumer.RingConsumer`). See :mod:`gpushare._fanout` for the
-protocol.
-
-A ring's slots are windows of one allocation, each starting on a
-``SLOT_ALIGN`` (64 KiB) boundary: a ring of 4 slots of 4 MiB and 512 bytes takes
-18 MiB, not 4 allocations of 6 MiB (allocations come in 2 MiB units). Each slot
-still travels as a Buffer of its own, under a lease of its own, so a consumer
-has one Memory per slot (its events are armed per slot) while the allocation
-is mapped once. 64 KiB starts keep the slots on separate pages for any host
-page size, so each host slot can be page-locked on its own.
+A Ring is a handle on a :class:`~._ring_producer.RingProducer`; pickling it
+gives a consumer end (:class:`~._consumer.RingConsumer`). Its slots are windows
+of one allocation, one starting every ``SLOT_ALIGN`` bytes; each is a Buffer
+under a lease of its own, so a consumer arms one Memory per slot and maps the
+allocation once.
 """
 
 from __future__ import annotations
 
 import math
-import weakref
 from multiprocessing import current_process
 from typing import Any, NoReturn
 
 from .._buffer import Buffer, check_dtype, check_shape, window
 from .._errors import BackendUnavailableError, RingClosedError
 from . import _channel
-from ._producer import Producer
+from ._handles import ProducerHandle
+from ._ring_producer import RingProducer
 from ._wire import MAX_SLOTS, check_spin
 
 __all__ = ["SLOT_ALIGN", "Ring", "create_ring"]
 
-SLOT_ALIGN = 1 << 16  # where each slot of a ring starts in the ring's one allocation
+#: Where each slot of a ring starts in the ring's one allocation: on separate pages for
+#: any host page size, so each host slot can be page-locked on its own.
+SLOT_ALIGN = 1 << 16
 
 
-class Ring:
+class Ring(ProducerHandle):
     """The producer end of a ring of pre-shared slots (made by ``manager.ring(...)``).
 
     ::
@@ -55,11 +50,10 @@ class Ring:
     and ``stats()`` may come from another.
     """
 
-    def __init__(self, core: Producer) -> None:
-        self._core = core
-        self._finalizer = weakref.finalize(
-            self, core.close, "the producer's Ring was garbage collected without close()"
-        )
+    _core: RingProducer
+
+    def __init__(self, core: RingProducer) -> None:
+        ProducerHandle.__init__(self, core, "the producer's Ring")
 
     @property
     def slots(self) -> int:
@@ -74,22 +68,9 @@ class Ring:
         return self._core.buffers[0].dtype
 
     @property
-    def device(self) -> int | str:
-        """The CUDA ordinal of the slots in this process, or ``"cpu"``."""
-        return self._core.device
-
-    @property
-    def backend(self) -> str:
-        return self._core.buffers[0].backend
-
-    @property
     def spin(self) -> float | str:
         """``"auto"``, or the seconds each end spins on shared memory before it sleeps (0: never spins)."""
         return self._core.spin.setting
-
-    @property
-    def closed(self) -> bool:
-        return self._core.closed is not None
 
     def acquire(self, timeout: float | None = None) -> Buffer:
         """A free slot's buffer, to write and then :meth:`publish`.
@@ -140,12 +121,6 @@ class Ring:
 
     get = items = release = __iter__ = _not_a_consumer
 
-    def __enter__(self) -> Ring:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def __reduce__(self) -> tuple[Any, ...]:
         if self._core.closed is not None:
             raise RingClosedError(
@@ -193,7 +168,7 @@ def create_ring(
             buffers = [window(whole, i * stride, dims, dt) for i in range(slots)]
         finally:
             whole.release()  # each slot holds its own count on the allocation
-        core = Producer(buffers, consumers, bytes(current_process().authkey), spin_s, adaptive)
+        core = RingProducer(buffers, consumers, bytes(current_process().authkey), spin_s, adaptive)
     except BaseException:
         for b in buffers:
             b.release()

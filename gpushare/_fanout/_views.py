@@ -1,39 +1,30 @@
-"""A tensor of a tensor set as handed out: :class:`TensorView`, and the family it belongs to.
+"""A tensor set's slot as tensors: :class:`SlotTensors` (what a Snapshot and a Draft are) and :class:`TensorView`.
 
-A :class:`~._tensor_reader.Snapshot` (an engine's version) and a
-:class:`~._tensor_set.Draft` (the trainer's version being filled in place)
-give each tensor as a TensorView: a Buffer over that tensor's bytes of the
-version's allocation, with ``tag`` (the dtype NumPy lacks, if any).
-
-A view *holds* what it came from -- the snapshot's grant or the draft's
-slot -- through ``_hold``, the way a loader batch's arrays hold their ring
-item (:class:`gpushare._batch.SlotArray`): every view, every view of a view,
-and everything made from one without a copy (NumPy arrays on the host, whose
-base is the view; DLPack and ``__cuda_array_interface__`` tensors, which keep
-a view) keeps it, so the version stays held until all of them are gone. The
-hold is an object whose only reference is from these views and their
-snapshot or draft: when the last goes, CPython frees it at once (no
-reference cycle: views never point back at their snapshot) and its
-finalizer gives the version back.
-
-Each view also joins its *family* (a ``WeakSet`` shared by the snapshot or
-draft and all views made from it), so that ``release()`` of the snapshot or
-draft releases every one of them explicitly: touching one afterwards raises
-:class:`~gpushare.BufferReleasedError`.
+A view is a Buffer over one tensor's bytes of the slot, with ``tag`` (a
+dtype NumPy lacks). It *holds* what it came from (a snapshot's grant, a
+draft's hold): so does every view made from it, and everything made from one
+without a copy, so the slot stays held until all are gone. Views never point
+back at their snapshot or draft, so the hold goes, and gives the slot back,
+as soon as the last of them does. ``release()`` releases the whole *family*
+(a ``WeakSet`` of the views) explicitly.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TypeVar
 
 import numpy as np
 
 from .._buffer import Buffer, byte_offset, memory_of
+from .._errors import BufferReleasedError
+from ._layout import Layout
 
-__all__ = ["Family", "TensorView", "release_family"]
+__all__ = ["Family", "SlotTensors", "TensorView", "release_family"]
 
 Family = weakref.WeakSet  # the views of one snapshot or draft
+_T = TypeVar("_T", bound="SlotTensors")
 
 
 class TensorView(Buffer):
@@ -62,7 +53,7 @@ class TensorView(Buffer):
         return out
 
     def numpy(self) -> np.ndarray[Any, Any]:
-        """Host backend: a zero-copy NumPy view that holds the version; CUDA: a host copy."""
+        """Host backend: a zero-copy NumPy view that holds the slot; CUDA: a host copy."""
         if self.device == "cpu":
             self._check()
             return np.asarray(self)  # through __array_interface__: the array's base is this view
@@ -75,7 +66,7 @@ class TensorView(Buffer):
         return {"shape": self.shape, "typestr": self.dtype.str, "data": (self.ptr, False), "version": 3}
 
     def release(self) -> None:
-        """Release this view (and its hold on the version). Idempotent."""
+        """Release this view (and its hold on the slot). Idempotent."""
         super().release()
         self._hold = None
 
@@ -89,3 +80,78 @@ def release_family(family: Any) -> None:
     """Release every view still alive in ``family``."""
     for view in list(family):
         view.release()
+
+
+class SlotTensors(Mapping[str, TensorView]):
+    """The tensors of one slot, by name, as views made on first access and held by ``hold``
+    (see the module docstring). A :class:`~._tensor_reader.Snapshot` and a
+    :class:`~._tensor_set.Draft` are these; ``release()`` is theirs."""
+
+    __slots__ = ("_base", "_family", "_hold", "_memory", "_views", "layout", "slot")
+
+    def __init__(self, layout: Layout, slot: int, memory: Any, base: int, hold: Any) -> None:
+        self.layout = layout
+        self.slot = slot
+        self._memory = memory
+        self._base = base  # where the slot starts in its allocation
+        self._hold: Any = hold  # None once released
+        self._views: dict[str, TensorView] = {}
+        self._family: Any = None  # made with the first view
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self.layout.names
+
+    @property
+    def released(self) -> bool:
+        return self._hold is None
+
+    def _released_error(self) -> BufferReleasedError:
+        """What touching these tensors once released raises (each kind says how to get more)."""
+        return BufferReleasedError("these tensors were released in this process")
+
+    def _held(self) -> Any:
+        hold = self._hold
+        if hold is None:
+            raise self._released_error()
+        return hold
+
+    def __getitem__(self, name: str) -> TensorView:
+        view = self._views.get(name)
+        if view is not None and self._hold is not None:
+            return view
+        hold = self._held()
+        spec = self.layout.get(name)
+        if spec is None:
+            raise KeyError(name)
+        if self._family is None:
+            self._family = Family()
+        view = TensorView(self._memory, self._base + spec.offset, spec.shape, spec.dtype, hold, spec.tag, self._family)
+        self._views[name] = view
+        return view
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.layout.names)
+
+    def __len__(self) -> int:
+        return len(self.layout)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.layout
+
+    def _spend(self) -> Any:
+        """Take the hold out (release or publish); every view made is released."""
+        hold = self._held()
+        self._hold = None
+        if self._family is not None:
+            self._views.clear()
+            release_family(self._family)
+        return hold
+
+    release: Callable[[], None]  # a Snapshot's or a Draft's own
+
+    def __enter__(self: _T) -> _T:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()

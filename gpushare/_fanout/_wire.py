@@ -1,17 +1,8 @@
-"""What both ends of a ring share besides the channel: limits, spinning, socket framing.
-
-The socket carries registration (pickled messages through multiprocessing's
-``Connection``) and then only two kinds of frame, producer -> consumer, in
-the same framing (a 4-byte big-endian length, or -1 and an 8-byte length):
-``META`` (a meta too long for its shared-memory entry, just before the
-entry) and ``CLOSED`` (the end of the ring, after every item).
-"""
+"""Limits of both fan-outs, and how a waiting end spins before it sleeps (``spin=``)."""
 
 from __future__ import annotations
 
 import math
-import os
-import struct
 
 #: Seconds a registration step (either side) may take before it is abandoned.
 REGISTER_TIMEOUT = 30.0
@@ -32,14 +23,6 @@ SPIN_AUTO = 50e-6
 SPIN_LOOKS = 4
 MAX_SLOTS = 1 << 16
 MAX_META = 1 << 20
-
-# Socket frames after registration (producer -> consumer only): a meta too long
-# for its shared-memory entry, and the end of the ring.
-META = 1
-CLOSED = 2
-
-_LENGTH = struct.Struct("!i")  # multiprocessing.connection's message header
-_LONG_LENGTH = struct.Struct("!Q")
 
 
 def poll_ms(timeout: float | None) -> int:
@@ -90,50 +73,3 @@ class SpinPolicy:
     def setting(self) -> float | str:
         """What ``spin=`` this is: "auto" or seconds."""
         return "auto" if self.adaptive else self.seconds
-
-
-def send_frame(fd: int, message: bytes) -> None:
-    """Write one message in multiprocessing's Connection framing (what ``send_bytes``
-    writes, without its per-call overhead); raises OSError like it."""
-    data = memoryview(_LENGTH.pack(len(message)) + message)
-    while data:
-        data = data[os.write(fd, data) :]
-
-
-class Frames:
-    """Messages in multiprocessing's Connection framing, read with one ``os.read`` per wakeup.
-
-    Only used after registration, which goes through the Connection itself
-    (it buffers nothing, so no byte is lost).
-    """
-
-    __slots__ = ("buf", "fd")
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-        self.buf = bytearray()
-
-    def read(self) -> bool:
-        """Read what is available (blocks until something is); False at EOF."""
-        data = os.read(self.fd, 1 << 16)
-        self.buf += data
-        return bool(data)
-
-    def pop(self) -> bytes | None:
-        """The next complete message, or None."""
-        buf = self.buf
-        if len(buf) < 4:
-            return None
-        (size,) = _LENGTH.unpack_from(buf)
-        start = 4
-        if size == -1:  # Connection's header for messages over 2 GiB
-            if len(buf) < 12:
-                return None
-            (size,) = _LONG_LENGTH.unpack_from(buf, 4)
-            start = 12
-        end = start + size
-        if len(buf) < end:
-            return None
-        message = bytes(buf[start:end])
-        del buf[:end]
-        return message

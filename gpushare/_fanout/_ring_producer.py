@@ -1,111 +1,71 @@
-"""The producer's end of a ring: slot states, registration, publishing, releases.
+"""The ring's policy, producer side: every consumer gets every slot, in order, with back-pressure.
 
-See :mod:`gpushare._fanout` for the protocol; :class:`~._ring.Ring` is the public handle. Locks: ``_io`` serializes
-everything that touches the slot states, consumer channels and sockets or
-closes them (acquire, publish, stats, close, dropping a consumer); ``_lock``
-guards the consumer table (``_consumers``, and ``_targets``, the tuple of
-its values that ``publish`` sends to) and ``closed``, which registration
-threads also touch. Order: ``_io`` before ``_lock``. Finalizers only
-enqueue and wake (``_deferred``), never take a lock.
+:meth:`RingProducer.acquire` takes the free slot freed first, waiting while
+consumers hold them all; :meth:`RingProducer.publish` writes one entry per
+registered consumer into its channel. A slot is free again once every consumer
+it went to released it. Locks (the slots'): ``io`` serializes all that touches
+slot states, channels and consumer sockets or closes them; ``lock`` guards the
+consumer table, ``_targets`` and ``closed``, which registration threads touch too.
 """
 
 from __future__ import annotations
 
 import collections
-import itertools
 import logging
 import os
-import queue
 import select
-import socket
 import threading
 import time
-import weakref
 from dataclasses import dataclass, field
-from multiprocessing import AuthenticationError, connection, reduction
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, NoReturn
 
-from .. import _cuda
-from .._authsocket import UnixListener, accept, socket_timeouts
 from .._buffer import Buffer
 from .._errors import RingClosedError, WaitTimeoutError
-from . import _channel
-from ._channel import INLINE_META, RECORDED, Channel, poke, soak
+from ._channel import INLINE_META, RECORDED, poke
 from ._item import RingItem, slot_view
-from ._wire import (
-    CLOSED,
-    MAX_META,
-    META,
-    REGISTER_TIMEOUT,
-    SEND_TIMEOUT,
-    SPIN_LOOKS,
-    Frames,
-    SpinPolicy,
-    poll_ms,
-    send_frame,
-)
+from ._service import RING, Closed, Frames, Reader, Registry, closed_frame, meta_frame, send_frame
+from ._slots import FREE, WRITING, Slots
+from ._wire import MAX_META, SPIN_LOOKS, SpinPolicy, poll_ms
 
-__all__ = ["Producer"]
+__all__ = ["RingProducer"]
 
 log = logging.getLogger("gpushare")
 
-_FREE, _ACQUIRED, _PUBLISHED = 0, 1, 2
+PUBLISHED = 2  # the ring's own state: held by the consumers it was published to
 
 
 @dataclass(eq=False)
-class _Consumer:
-    cid: int
-    conn: connection.Connection
-    pid: int
-    frames: Frames
-    channel: Channel
-    wake: int  # its eventfd: one count per item published to it
-    events: list[Any] = field(default_factory=list)  # its per-slot release events, opened here (CUDA)
+class _Consumer(Reader):
     head: int = 0  # entries published to it
-    dead: bool = False
+    frames: Frames = field(init=False)  # its socket, after registration: EOF, or a broken consumer
+
+    def __post_init__(self) -> None:
+        self.frames = Frames(self.conn.fileno())
+
+    def close(self, device: int | str) -> None:
+        self.frames.fd = -1  # never write to a closed (maybe reused) fd number
+        super().close(device)
 
 
-def _by_cid(consumers: set[_Consumer]) -> list[_Consumer]:
-    return sorted(consumers, key=lambda c: c.cid)
+def _by_rid(consumers: set[Any]) -> list[Any]:
+    return sorted(consumers, key=lambda c: c.rid)
 
 
-def _destroy_events(events: list[Any], device: int | str) -> None:
-    for event in events:
-        try:
-            _cuda.event_destroy(event, device)  # type: ignore[arg-type]
-        except Exception:
-            log.exception("gpushare: destroying a ring event failed")
-
-
-class Producer:
-    """The producer's state and service; :class:`Ring` is its public handle."""
+class RingProducer:
+    """The ring's state and service; :class:`~._ring.Ring` is its public handle."""
 
     def __init__(
         self, buffers: list[Buffer], wanted: int, authkey: bytes, spin: float = 0.0, adaptive: bool = False
     ) -> None:
+        self.slots = slots = Slots(buffers)
         self.buffers = buffers
         self._views = [slot_view(b) for b in buffers]  # what each slot's items are made from
-        self.n = len(buffers)
+        self.n = slots.n
         self.wanted = wanted
-        self.authkey = authkey
         self.spin = SpinPolicy(spin, adaptive)  # acquire()'s; each consumer has its own
-        self.device = buffers[0].device
-        self._cuda = isinstance(self.device, int)
-        # Per-slot ready events: recorded at publish, waited on by consumers (CUDA only).
-        self._events: list[Any] = []
-        handles: list[bytes] = []
-        if self._cuda:
-            try:
-                for _ in range(self.n):
-                    event, handle = _cuda.event_create_ipc(self.device)  # type: ignore[arg-type]
-                    self._events.append(event)
-                    handles.append(handle)
-            except BaseException:
-                _destroy_events(self._events, self.device)
-                raise
-            # Destroyed only when the core goes: consumers may still wait on them.
-            weakref.finalize(self, _destroy_events, self._events, self.device)
+        self.device = slots.device
+        self._cuda = slots.cuda
         self.info = {
             "slots": self.n,
             "shape": buffers[0].shape,
@@ -114,139 +74,62 @@ class Producer:
             "spin": spin,
             "adaptive": adaptive,
         }
-        self._handles = handles
-        self._lock = threading.Lock()
+        # The slots' state, bound once: acquire() and publish() run per item.
+        self._lock = slots.lock
         self._cond = threading.Condition(self._lock)
-        self._io = threading.Lock()
-        self._state = [_FREE] * self.n
-        self._seq = [0] * self.n
-        self._epoch = [0] * self.n
-        self._holders: list[set[_Consumer]] = [set() for _ in range(self.n)]
-        # Who read a slot's last publication and recorded a release event for it (CUDA:
-        # their reads were still queued); acquire() orders the next write after them.
-        self._last: list[list[_Consumer]] = [[] for _ in range(self.n)]
+        self._io = slots.io
+        self._state = slots.state
+        self._epoch = slots.epoch
+        self._holders = slots.holders
+        self._last = slots.last
+        self._deferred = slots.deferred
+        self._seq = [0] * self.n  # the sequence of each slot's last publication: its holders' stamp
         self._busy: set[int] = set()  # published slots some consumer still holds
         self._free = collections.deque(range(self.n))
-        self._consumers: dict[int, _Consumer] = {}
-        self._targets: tuple[_Consumer, ...] = ()  # _consumers' values, what publish() sends to
-        self._version = 0  # bumped whenever _consumers changes; the poller follows it
+        self._targets: tuple[Any, ...] = ()  # the consumers, what publish() sends to
+        self._version = 0  # bumped whenever the consumers change; the poller follows it
         self._registered = 0
         self._published = 0
-        self._cids = itertools.count(1)
-        self._deferred: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
         self.closed: str | None = None
         self._poller: Any = None
         self._poll_version = -1
-        self._by_fd: dict[int, _Consumer] = {}
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
-        self._release_fd = _channel.eventfd()  # every consumer's releases wake it
-        # Closed only when the core goes: a finalizer of a buffer handed out
-        # earlier may still write to them, and a reused fd number must never be.
-        for fd in (self._wake_r, self._wake_w, self._release_fd):
-            weakref.finalize(self, os.close, fd)
-        self._listener = UnixListener("ring", self._register, backlog=64)
-        self.address = self._listener.address
+        self._by_fd: dict[int, Any] = {}
+        self._registry = Registry(RING, slots, authkey, self, _Consumer)
+        self._consumers: dict[int, Any] = self._registry.readers
+        self.address = self._registry.address
 
-    # -- registration (service threads) ---------------------------------------
-    def _register(self, sock: socket.socket) -> None:
-        try:
-            conn = accept(sock, self.authkey, REGISTER_TIMEOUT)
-        except (AuthenticationError, OSError, EOFError) as exc:
-            log.warning("gpushare: a ring consumer failed to register: %s", exc)
-            return
-        channel: Channel | None = None
-        wake = -1
-        events: list[Any] = []
-        try:
-            socket_timeouts(conn.fileno(), REGISTER_TIMEOUT, REGISTER_TIMEOUT)
-            hello = conn.recv()
-            pid = int(hello[1])
-            if self.closed is not None:
-                conn.send(("closed", self.closed))
-                conn.close()
-                return
-            channel = Channel.create(self.n)
-            wake = _channel.eventfd()
-            # One lease per slot, claimed by the consumer; then its channel's fds.
-            conn.send(("slots", self.buffers, self._handles))
-            with socket.socket(fileno=os.dup(conn.fileno())) as raw:
-                reduction.sendfds(raw, [channel.fd, wake, self._release_fd])
-            os.close(channel.fd)  # the mapping stays; the consumer has its own fd
-            channel.fd = -1
-            reply = conn.recv()
-            if not (isinstance(reply, tuple) and reply and reply[0] == "ready"):
-                raise EOFError("the consumer did not confirm its registration")
-            for handle in reply[1] if self._cuda else ():
-                events.append(_cuda.event_open(handle, self.device))  # type: ignore[arg-type]
-            socket_timeouts(conn.fileno(), 0, SEND_TIMEOUT)
-        except Exception as exc:  # e.g. the ring closed while its slots were being pickled
-            log.warning("gpushare: a ring consumer failed to register: %r", exc)
-            self._discard(conn, channel, wake, events)
-            return
-        with self._lock:
-            if self.closed is None:
-                try:
-                    # Sent under the lock that publish() reads _targets under, with the
-                    # update below: no item reaches this consumer before it, and every
-                    # publish that starts after it reaches this consumer.
-                    conn.send(("registered",))
-                except OSError as exc:
-                    log.warning("gpushare: a ring consumer failed to register: %s", exc)
-                else:
-                    consumer = _Consumer(next(self._cids), conn, pid, Frames(conn.fileno()), channel, wake, events)
-                    self._consumers[consumer.cid] = consumer
-                    self._targets = tuple(self._consumers.values())
-                    self._version += 1
-                    self._registered += 1
-                    self._cond.notify_all()
-                    return
-            reason = self.closed
-        if reason is not None:  # closed while this consumer registered
-            try:
-                conn.send(("closed", reason))
-            except OSError:
-                pass
-        self._discard(conn, channel, wake, events)
+    # -- registration (the registry's threads) -------------------------------------------------
+    def closed_message(self) -> Closed:
+        return Closed(str(self.closed))
 
-    def _discard(self, conn: connection.Connection, channel: Channel | None, wake: int, events: list[Any]) -> None:
-        conn.close()
-        if channel is not None:
-            channel.close()
-        if wake >= 0:
-            os.close(wake)
-        _destroy_events(events, self.device)
+    def admit(self, consumer: _Consumer) -> None:
+        self._refresh()
+        self._registered += 1
+        self._cond.notify_all()
 
-    # -- releases (under _io) ----------------------------------------------------
-    def _wake(self) -> None:
-        try:
-            os.write(self._wake_w, b"!")
-        except OSError:  # pipe full (already woken) or closed
-            pass
+    def serve(self, consumer: _Consumer) -> None:
+        """Nothing: the producer's own calls read the consumers' sockets (see _drain)."""
 
+    def _refresh(self) -> None:
+        """The consumer table changed. Under _lock."""
+        self._targets = tuple(self._consumers.values())
+        self._version += 1
+
+    # -- releases (under _io) ----------------------------------------------------------------
     def unpublished(self, slot: int, epoch: int) -> None:
-        """Finalizer of an acquired buffer: if it was not published, its slot is free again.
+        """Finalizer of an acquired item: if it was not published, its slot is free again.
 
         Once the ring is closed the slot's Buffer goes with it: close() left it to
-        this item (see close(); the queue is written before ``closed`` is read)."""
-        self._deferred.put((slot, epoch))
+        this item (the queue is written before ``closed`` is read)."""
+        self.slots.abandon_later(slot, epoch)
         if self.closed is not None:
             self.buffers[slot].release()
-            return
-        self._wake()
 
     def _apply_deferred(self) -> bool:
         """Free the slots acquired and released unpublished; True if one went free. Under _io."""
-        freed = False
-        deferred = self._deferred
-        while not deferred.empty():  # only a thread holding _io takes from it: never Empty
-            slot, epoch = deferred.get_nowait()
-            if self._state[slot] == _ACQUIRED and self._epoch[slot] == epoch:
-                self._state[slot] = _FREE
-                self._free.append(slot)
-                freed = True
-        return freed
+        freed = self.slots.apply_deferred()
+        self._free.extend(freed)
+        return bool(freed)
 
     def _collect(self) -> bool:
         """Apply the release words consumers wrote; True if a slot went free. Under _io."""
@@ -265,7 +148,7 @@ class Producer:
                         self._last[slot].append(c)
             if not holders:
                 busy.discard(slot)
-                self._state[slot] = _FREE
+                self._state[slot] = FREE
                 self._free.append(slot)
                 freed = True
         return freed
@@ -275,9 +158,7 @@ class Producer:
             with self._lock:
                 consumers = list(self._consumers.values())
                 self._poll_version = self._version
-            poller = select.poll()
-            poller.register(self._wake_r, select.POLLIN)
-            poller.register(self._release_fd, select.POLLIN)
+            poller = self.slots.poller()
             for c in consumers:
                 poller.register(c.conn.fileno(), select.POLLIN)
             self._poller = poller
@@ -288,15 +169,9 @@ class Producer:
         """Wait at most ``timeout`` (0: do not wait) for a release, an EOF or a wakeup,
         then apply everything that is there."""
         self._apply_deferred()
+        slots = self.slots
         for fd, events in self._current_poller().poll(poll_ms(timeout)):
-            if fd == self._wake_r:
-                try:
-                    os.read(self._wake_r, 4096)
-                except BlockingIOError:
-                    pass
-            elif fd == self._release_fd:
-                soak(fd)
-            else:
+            if not slots.soak(fd):
                 consumer = self._by_fd.get(fd)
                 if consumer is not None and not consumer.dead:
                     self._read(consumer, bool(events & select.POLLHUP))
@@ -323,34 +198,21 @@ class Producer:
             if consumer.dead:
                 return
             consumer.dead = True
-            self._consumers.pop(consumer.cid, None)
-            self._targets = tuple(self._consumers.values())
-            self._version += 1
+            self._consumers.pop(consumer.rid, None)
+            self._refresh()
             for slot in tuple(self._busy):  # the slots it still held
                 holders = self._holders[slot]
                 holders.discard(consumer)
-                if not holders and self._state[slot] == _PUBLISHED:
+                if not holders and self._state[slot] == PUBLISHED:
                     self._busy.discard(slot)
-                    self._state[slot] = _FREE
+                    self._state[slot] = FREE
                     self._free.append(slot)
         log.info("gpushare: ring consumer pid %s is gone; its slots are free again", consumer.pid)
-        self._close_consumer(consumer)
+        # Under _io, like acquire()'s waits on its release events: left open, every consumer
+        # that came and went would keep its events, and their driver memory, for the ring's life.
+        consumer.close(self.device)
 
-    def _close_consumer(self, consumer: _Consumer) -> None:
-        consumer.frames.fd = -1  # never write to a closed (maybe reused) fd number
-        consumer.conn.close()
-        consumer.channel.close()
-        wake, consumer.wake = consumer.wake, -1
-        if wake >= 0:
-            os.close(wake)
-        # Its release events go too (under _io, like acquire(), which skips a dead
-        # consumer's): left open, every consumer that came and went would keep its
-        # events, and their driver memory, in this process for the ring's life. A wait
-        # already queued on one completes normally (the driver defers the destroy).
-        events, consumer.events = consumer.events, []
-        _destroy_events(events, self.device)
-
-    # -- producer API ---------------------------------------------------------
+    # -- producer API ----------------------------------------------------------------------------
     def _raise_closed(self) -> NoReturn:
         raise RingClosedError(f"this ring was closed ({self.closed}); make a new ring with manager.ring(...)")
 
@@ -373,11 +235,8 @@ class Producer:
                     if slept:  # a wait that ended while spinning was a quick one
                         self.spin.waited(time.monotonic() - started)
                     slot = free.popleft()
-                    self._state[slot] = _ACQUIRED
+                    self._state[slot] = WRITING
                     epoch = self._epoch[slot] = self._epoch[slot] + 1
-                    readers = self._last[slot]
-                    if readers:
-                        self._last[slot] = []
                     break
                 if self._collect() or (not self._deferred.empty() and self._apply_deferred()):
                     continue
@@ -398,16 +257,10 @@ class Producer:
                     raise WaitTimeoutError(self._busy_message(timeout))
                 self._drain(remaining)
                 slept = True
-            if readers:
-                # The producer's writes (default stream) wait for the consumers' reads
-                # of this slot's last publication, without blocking the host. Only
-                # consumers whose reads were still queued at release recorded an event;
-                # a read already finished needs no wait either (a wait on another
-                # process's event ties the two contexts' GPU work together, which
-                # costs far more).
-                for c in readers:
-                    if not c.dead and c.events and not _cuda.event_done(c.events[slot], self.device):  # type: ignore[arg-type]
-                        _cuda.stream_wait_event(0, c.events[slot], self.device)  # type: ignore[arg-type]
+            if self._last[slot]:
+                # The producer's writes (default stream) wait for the consumers' reads of
+                # this slot's last publication, without blocking the host.
+                self.slots.order_write(slot, 0)
             # Made under _io: close() releases the slot buffers only after taking it.
             return RingItem(self._views[slot], owner, slot, None, epoch, None, self.unpublished)
         finally:
@@ -416,11 +269,11 @@ class Producer:
     def _busy_message(self, timeout: float | None) -> str:
         with self._lock:
             held = [
-                f"slot {i} (sequence {self._seq[i]}) by pid(s) {', '.join(str(c.pid) for c in _by_cid(h))}"
+                f"slot {i} (sequence {self._seq[i]}) by pid(s) {', '.join(str(c.pid) for c in _by_rid(h))}"
                 for i, h in enumerate(self._holders)
-                if self._state[i] == _PUBLISHED
+                if self._state[i] == PUBLISHED
             ]
-            acquired = self._state.count(_ACQUIRED)
+            acquired = self._state.count(WRITING)
         parts = [f"all {self.n} slots of the ring are still busy after {timeout:g} s"]
         if held:
             parts.append("held: " + "; ".join(held))
@@ -439,6 +292,7 @@ class Producer:
         item: RingItem = buf  # type: ignore[assignment]
         if not item._still_acquired():
             raise ValueError(f"slot {item.slot} was already published or released; acquire() a slot for each publish()")
+        frame = b""
         if meta is None:
             inline: bytes | None = b""
         else:
@@ -449,30 +303,23 @@ class Producer:
                     f"under {MAX_META} bytes. Put bulk data in the slot itself"
                 )
             inline = payload if len(payload) <= INLINE_META else None
+            if inline is None:
+                frame = meta_frame(payload)
         if self._registered < self.wanted:
             self._await_consumers(timeout)
         slot = item.slot
-        recorded = False
-        if self._cuda:
-            # Consumers wait on this event (per slot), not on the whole device. A stream
-            # with nothing queued has finished every write: the event is left as it is
-            # (its last record is complete, as that stream's work is), so consumers
-            # find it done and wait for nothing, as a Queue's receiver of an event-less
-            # descriptor does.
-            on = 0 if stream is None else int(stream)
-            recorded = not _cuda.stream_idle(self.device, on)  # type: ignore[arg-type]
-            if recorded:
-                _cuda.event_record(self._events[slot], self.device, on)  # type: ignore[arg-type]
+        # Consumers wait on this slot's event, never on the whole device.
+        recorded = self._cuda and self.slots.record_ready(slot, 0 if stream is None else int(stream))
         with self._io:
             if self.closed is not None:
                 self._raise_closed()
-            if self._state[slot] != _ACQUIRED or self._epoch[slot] != item._epoch:
+            if self._state[slot] != WRITING or self._epoch[slot] != item._epoch:
                 raise ValueError(f"slot {slot} is not acquired by this buffer any more; acquire() again")
             seq = self._published
             self._published = seq + 1
             self._seq[slot] = seq
             with self._lock:
-                # Registration sends "registered" and adds the consumer under this lock:
+                # Registration sends Registered and adds the consumer under this lock:
                 # every publish that starts after the consumer heard it reaches it.
                 targets = self._targets
             # The entries go first, the bookkeeping after: a consumer may release the
@@ -481,7 +328,7 @@ class Producer:
             for c in targets:
                 if inline is None:
                     try:
-                        send_frame(c.frames.fd, bytes([META]) + payload)  # before its entry
+                        send_frame(c.frames.fd, frame)  # before its entry
                     except OSError:  # gone, or stuck for SEND_TIMEOUT: drop it (below)
                         dropped = [c] if dropped is None else [*dropped, c]
                         continue
@@ -493,11 +340,11 @@ class Producer:
                 except OSError:
                     pass
             if targets:
-                self._state[slot] = _PUBLISHED
+                self._state[slot] = PUBLISHED
                 self._holders[slot].update(targets)  # empty while the slot is not published
                 self._busy.add(slot)
             else:
-                self._state[slot] = _FREE
+                self._state[slot] = FREE
                 self._free.append(slot)
             if dropped is not None:
                 for c in dropped:
@@ -534,8 +381,8 @@ class Producer:
                 return {
                     "slots": self.n,
                     "free": len(self._free),
-                    "acquired": self._state.count(_ACQUIRED),
-                    "busy": self._state.count(_PUBLISHED),
+                    "acquired": self._state.count(WRITING),
+                    "busy": self._state.count(PUBLISHED),
                     "consumers": len(self._consumers),
                     "consumer_pids": sorted(c.pid for c in self._consumers.values()),
                     "registered": self._registered,
@@ -556,14 +403,13 @@ class Producer:
                 return
             self.closed = reason
             self._cond.notify_all()
-        self._wake()  # a thread blocked in acquire() sees the close and leaves _io
+        self.slots.wake()  # a thread blocked in acquire() sees the close and leaves _io
         with self._io:
             with self._lock:
                 consumers = list(self._consumers.values())
                 self._consumers.clear()
-                self._targets = ()
-                self._version += 1
-            message = bytes([CLOSED]) + reason.encode()
+                self._refresh()
+            message = closed_frame(reason)
             for c in consumers:
                 c.dead = True
                 try:
@@ -574,7 +420,7 @@ class Producer:
                 except OSError:
                     pass
                 poke(c.wake)
-                self._close_consumer(c)
+                c.close(self.device)
             self._poller = None
             self._by_fd = {}
             # A slot acquired here and not yet published keeps its Buffer until its item
@@ -582,6 +428,6 @@ class Producer:
             # it came before ``closed`` was set; after that, unpublished() sees ``closed``.
             self._apply_deferred()
             for slot, b in enumerate(self.buffers):
-                if self._state[slot] != _ACQUIRED:
+                if self._state[slot] != WRITING:
                     b.release()
-        self._listener.close()
+        self._registry.close()
