@@ -9,7 +9,7 @@ each consumer link keeps a journal instead:
 
 * the consumer makes an anonymous shared-memory file (``memfd_create``),
   maps it, and sends its descriptor to the owner once, with SCM_RIGHTS,
-  right after its ``hello``;
+  right after its ``Hello``;
 * it appends one record per claim or release, in the order they happen;
 * the owner consumes the records whenever it needs current lease state:
   before it allocates, shares, reports stats, expires leases (every

@@ -5,7 +5,7 @@ Who owns what
 The trainer (the process iterating) owns the memory: the loader makes an
 :class:`~gpushare._lifetime._owner.Owner` in the trainer's own process (or
 allocates from ``manager=``, a started Manager of either owner mode) and no
-server process. Workers allocate their rings' slots from it by ``alloc``
+server process. Workers allocate their rings' slots from it by ``Alloc``
 requests (:class:`~gpushare._manager.RemoteAllocator`), so a worker that dies
 takes no memory the trainer still uses, and the trainer reads its batches
 in its own memory: it maps nothing and opens no handle.

@@ -27,7 +27,7 @@ The memory belongs to an :class:`~gpushare._lifetime._owner.Owner` that lives in
 the server process, made on first use (:func:`owner_info`: a process-owned
 Manager's server never loads the lifetime service at all). A client learns
 the owner's address and token with one manager call, then talks to it like
-any consumer of any owner, over its link: ``m.empty()`` is an ``alloc``
+any consumer of any owner, over its link: ``m.empty()`` is an ``Alloc``
 request, answered with the descriptor of new memory under a lease for the
 caller, which claims it. The caller's Buffer is a lease like any
 consumer's, and the server keeps no reference of its own, so the memory
@@ -135,12 +135,12 @@ def shutdown_owner(address: str, token: bytes, timeout: float) -> list[str]:
     text of the owner's leak warnings (the caller raises them again)."""
     from ._errors import OwnerGoneError
     from ._lifetime import close_link, link_for
-    from ._lifetime._protocol import REQUEST_TIMEOUT
+    from ._lifetime._protocol import REQUEST_TIMEOUT, Shutdown
 
     close_link(token)  # this process's buffers go first: the memory is about to be freed
     try:
-        connection = link_for(address, token).connection
-        messages = connection.answer(connection.ask("shutdown", timeout), timeout + REQUEST_TIMEOUT)
+        link = link_for(address, token)
+        messages = link.answer(link.ask(Shutdown, timeout), timeout + REQUEST_TIMEOUT)
     except OwnerGoneError:  # already gone (shut down by another client, or the server exited)
         messages = []
     finally:

@@ -33,7 +33,7 @@ Data flow:
 * **Reading on the owner's node** (same node identity, owner's socket
   present): the reader connects to the owner with the authkey carried in
   the object (Ray workers are not in the Manager's process tree), asks for
-  a lease of its own through the pinned one (the ``lease`` message,
+  a lease of its own through the pinned one (the ``LeaseVia`` request,
   ``Owner.leases.lease_via``) and maps the memory: the
   reader gets a :class:`~gpushare.Buffer` over the *same* memory, under a
   lease released by ``release()``, garbage collection or the worker's death,
@@ -69,6 +69,7 @@ from . import _lifetime
 from ._buffer import Buffer, memory_of
 from ._descriptor import Descriptor
 from ._errors import DescriptorError, GpushareError, OwnerGoneError
+from ._lifetime._protocol import LeaseVia
 from ._reduction import attach_buffer, descriptor_of
 
 __all__ = ["NODE_ID_ENV", "NodeCopy", "node_identity", "reduce_for_ray"]
@@ -154,7 +155,7 @@ def _attach_here(desc: Descriptor, authkey: bytes) -> Buffer:
             lease = owner.leases.lease_via(desc.alloc_id, desc.generation, desc.lease_id, _lifetime.LOCAL)
         else:
             link = _lifetime.link_for(desc.address, desc.owner_token, authkey)
-            lease = int(link.request("lease", desc.alloc_id, desc.generation, desc.lease_id))
+            lease = int(link.request(LeaseVia, desc.alloc_id, desc.generation, desc.lease_id))
     except DescriptorError as exc:
         raise DescriptorError(
             f"a gpushare buffer in this Ray object can no longer be read ({exc}): a Ray object pins its "

@@ -1,7 +1,8 @@
-"""The message layer of the socket services (gpushare._service).
+"""The message layer of the socket services (gpushare._service), and the lease protocol's table.
 
 Messages go through real sockets: a socketpair for one Channel's frames and fds, and a
-Server with a Client for the accept-and-serve loop, the handlers and requests.
+Server with a Client for the accept-and-serve loop, the handlers and requests. The last
+test checks that docs/design.md's table of the lease service's messages is the code's.
 """
 
 from __future__ import annotations
@@ -10,10 +11,12 @@ import os
 import socket
 import threading
 from multiprocessing import AuthenticationError, connection
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
 
+from gpushare._lifetime import _protocol
 from gpushare._service import (
     Channel,
     Client,
@@ -28,6 +31,7 @@ from gpushare._service import (
     handles,
 )
 
+DESIGN = Path(__file__).resolve().parent.parent / "docs" / "design.md"
 AUTHKEY = b"test-service-authkey"
 
 
@@ -76,6 +80,43 @@ def same_file(fd1: int, fd2: int) -> bool:
 
 
 # -- one channel ---------------------------------------------------------------------------
+
+
+def test_every_lease_message_goes_both_ways_unchanged() -> None:
+    """Each message of the lease protocol arrives as the same typed value, from its own side."""
+    a, b = socket.socketpair()
+    consumer = Channel(connection.Connection(a.detach()), _protocol.LEASE, server=False)
+    owner = Channel(connection.Connection(b.detach()), _protocol.LEASE, server=True)
+    samples: dict[type, tuple[Any, ...]] = {
+        _protocol.Hello: _protocol.Hello(123, b"t" * 16, None),
+        _protocol.Claim: _protocol.Claim(1, 2, 3),
+        _protocol.Drain: _protocol.Drain(),
+        _protocol.Batch: _protocol.Batch([1, 2], [3]),
+        _protocol.LeaseVia: _protocol.LeaseVia(4, 5, 6, 7),
+        _protocol.ExportFd: _protocol.ExportFd(8, 9),
+        _protocol.Unmapped: _protocol.Unmapped(10, True),
+        _protocol.Alloc: _protocol.Alloc(11, "host", None, 2 << 20, "label", "<f4", (4, 4), False),
+        _protocol.Stats: _protocol.Stats(12),
+        _protocol.Trim: _protocol.Trim(13),
+        _protocol.Shutdown: _protocol.Shutdown(14, 1.5),
+        Ok: Ok(15, {"live_buffers": 1}),
+        OkFd: OkFd(16, None),
+        Err: Err(17, "why"),
+        _protocol.ClaimFailed: _protocol.ClaimFailed(18, "why"),
+        _protocol.Refused: _protocol.Refused("why"),
+        _protocol.Unmap: _protocol.Unmap(19),
+        _protocol.Bye: _protocol.Bye("why"),
+    }
+    assert set(samples) == {*_protocol.LEASE.to_server, *_protocol.LEASE.to_client}
+    try:
+        for message in samples.values():
+            sender, receiver = (consumer, owner) if type(message) in _protocol.LEASE.to_server else (owner, consumer)
+            sender.send(message)
+            got = receiver.recv()
+            assert type(got) is type(message) and got == message
+    finally:
+        consumer.close()
+        owner.close()
 
 
 def test_fd_fields_travel_by_scm_rights() -> None:
@@ -303,3 +344,38 @@ def test_a_client_with_the_wrong_authkey_is_refused() -> None:
             Client(server.address, b"not the authkey", TOY, Listening(), "toy-reader")
     finally:
         server.close()
+
+
+# -- the lease protocol, as docs/design.md lists it -----------------------------------------------
+
+
+def message_rows() -> list[str]:
+    """The rows the table of lease messages must start with: message, direction, fields."""
+    rows = []
+    for classes, direction in (
+        (_protocol.LEASE.to_server, "consumer → owner"),
+        (_protocol.LEASE.to_client, "owner → consumer"),
+    ):
+        for cls in classes:
+            fds = {cls._fields[i] for i in _fd_positions(cls)}
+            fields = ", ".join(f"{name} (SCM_RIGHTS)" if name in fds else name for name in cls._fields) or "none"
+            rows.append(f"| `{cls.__name__}` | {direction} | {fields} |")
+    return rows
+
+
+def _fd_positions(cls: type) -> tuple[int, ...]:
+    from gpushare import _service
+
+    return _service._FD_FIELDS.get(cls, ())
+
+
+def test_design_md_lists_every_lease_message_as_the_code_defines_it() -> None:
+    text = DESIGN.read_text(encoding="utf-8")
+    section = text.split("\n### Messages\n", 1)[1].split("\n## ", 1)[0]
+    table = [line for line in section.splitlines() if line.startswith("| `")]
+    expected = message_rows()
+    missing = [row for row in expected if not any(line.startswith(row) for line in table)]
+    assert not missing, "docs/design.md's lease messages differ from the code (_lifetime/_protocol.py):\n" + "\n".join(
+        missing
+    )
+    assert len(table) == len(expected), "docs/design.md lists messages the lease protocol does not have"
