@@ -5,7 +5,8 @@ Both the lifetime service (``_lifetime._owner.Owner``) and the fan-out ring
 (mode 0600), accept in a thread, and hand each connection to a handler
 thread. Every connection starts with multiprocessing's HMAC challenge in
 both directions, with the process authkey, before anything is unpickled:
-a process outside the Manager's process tree cannot connect.
+a process outside the Manager's process tree cannot connect. The typed
+messages spoken on these connections are :mod:`gpushare._service`'s.
 
 Each listener's directory is ``gpushare-<name>-<pid>-<random>`` in the
 temporary directory. A process that is SIGKILLed cannot remove its own, so

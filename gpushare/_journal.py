@@ -1,7 +1,7 @@
 """The lease journal: a consumer link's claims and releases, in shared memory (``memfd``).
 
 - The consumer (:class:`JournalWriter`) appends one record per claim or release, in order;
-  the fd goes to the owner once, by SCM_RIGHTS, right after the link's ``hello``.
+  the fd goes to the owner once, by SCM_RIGHTS, right after the link's ``Hello``.
 - The owner (:class:`JournalReader`) reads the records whenever it needs current lease
   state, and alone writes ``tail``.
 - Layout (little-endian): ``u64 tail`` at 0; from 64, ``CAPACITY`` records

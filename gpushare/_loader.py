@@ -1,7 +1,7 @@
 """SlotLoader: dataset batches built by worker processes straight into pre-shared slots.
 
 - The trainer owns the memory: an Owner in its process (or ``manager=``); workers allocate
-  their rings' slots from it by ``alloc`` requests (:class:`~gpushare._manager.RemoteAllocator`).
+  their rings' slots from it by ``Alloc`` requests (:class:`~gpushare._manager.RemoteAllocator`).
 - Per epoch: workers start (:mod:`gpushare._loader_workers`); batch ``s``'s task goes to worker
   ``s % num_workers``, at most ``prefetch`` ahead; each worker builds it into a free slot of its
   ring and publishes it with its layout (:mod:`gpushare._batch`); the trainer reads in order.

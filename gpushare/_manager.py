@@ -62,7 +62,7 @@ def _allocation_request(shape: Any, dtype: Any, device: Any, backend: str | None
 
 
 class RemoteAllocator:
-    """Allocates buffers from an Owner in another process (``alloc`` requests over this
+    """Allocates buffers from an Owner in another process (``Alloc`` requests over this
     process's link to it): the client side of a server-owned Manager, and how a loader's
     workers get slots that the trainer owns. The memory belongs to that Owner; each
     Buffer here is a lease on it, like any received buffer, so it lives while some
@@ -95,6 +95,7 @@ class RemoteAllocator:
         size (scratch memory of a size no later request asks for)."""
         from ._buffer import rebuild_buffer
         from ._lifetime import owner_for
+        from ._lifetime._protocol import Alloc
 
         chosen, ordinal, dims, dt, nbytes, label = _allocation_request(
             shape, dtype, device, backend or self.default_backend
@@ -109,7 +110,7 @@ class RemoteAllocator:
             from . import _cuda
 
             uuid = _cuda.device_uuid(ordinal)
-        data = self.link().request("alloc", chosen.name, uuid, nbytes, label, dt.str, dims, transient)
+        data = self.link().request(Alloc, chosen.name, uuid, nbytes, label, dt.str, dims, transient)
         return rebuild_buffer(data)  # claims the lease the Owner took for this process
 
 
@@ -376,7 +377,9 @@ class BufferManager(SyncManager):
     def stats(self) -> dict[str, Any]:
         """Counts of buffers, bytes, leases and consumers (see docs/design.md)."""
         if self._owner_mode == "server":
-            return dict(self._owning.remote(self._server_owner, None).link().request("stats"))
+            from ._lifetime._protocol import Stats
+
+            return dict(self._owning.remote(self._server_owner, None).link().request(Stats))
         owner = self._owning.owner
         if owner is None:  # no buffer yet
             return _empty_stats(closed=self._owning.closed)
@@ -385,7 +388,9 @@ class BufferManager(SyncManager):
     def trim(self) -> int:
         """Free every pooled (unused) allocation now; return the bytes freed."""
         if self._owner_mode == "server":
-            return int(self._owning.remote(self._server_owner, None).link().request("trim"))
+            from ._lifetime._protocol import Trim
+
+            return int(self._owning.remote(self._server_owner, None).link().request(Trim))
         owner = self._owning.owner
         return 0 if owner is None else int(owner.trim())
 

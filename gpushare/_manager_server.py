@@ -6,7 +6,7 @@
   removes that process's leftovers and ends the server (at once, or with ``owner="server"``
   once no lease on its memory is held).
 - ``owner="server"``: the server's Owner, made on first use (:func:`owner_info`), allocates for
-  clients by ``alloc`` requests; each client Buffer is a lease, and the server keeps no reference.
+  clients by ``Alloc`` requests; each client Buffer is a lease, and the server keeps no reference.
 Protocol: docs/design.md, "Who owns the memory".
 """
 
@@ -101,12 +101,12 @@ def shutdown_owner(address: str, token: bytes, timeout: float) -> list[str]:
     text of the owner's leak warnings (the caller raises them again)."""
     from ._errors import OwnerGoneError
     from ._lifetime import close_link, link_for
-    from ._lifetime._protocol import REQUEST_TIMEOUT
+    from ._lifetime._protocol import REQUEST_TIMEOUT, Shutdown
 
     close_link(token)  # this process's buffers go first: the memory is about to be freed
     try:
-        connection = link_for(address, token).connection
-        messages = connection.answer(connection.ask("shutdown", timeout), timeout + REQUEST_TIMEOUT)
+        link = link_for(address, token)
+        messages = link.answer(link.ask(Shutdown, timeout), timeout + REQUEST_TIMEOUT)
     except OwnerGoneError:  # already gone (shut down by another client, or the server exited)
         messages = []
     finally:

@@ -24,6 +24,7 @@ from . import _lifetime
 from ._buffer import Buffer, attach_buffer, descriptor_of, memory_of
 from ._descriptor import Descriptor
 from ._errors import DescriptorError, GpushareError, OwnerGoneError
+from ._lifetime._protocol import LeaseVia
 
 __all__ = ["NODE_ID_ENV", "NodeCopy", "node_identity", "reduce_for_ray"]
 
@@ -108,7 +109,7 @@ def _attach_here(desc: Descriptor, authkey: bytes) -> Buffer:
             lease = owner.leases.lease_via(desc.alloc_id, desc.generation, desc.lease_id, _lifetime.LOCAL)
         else:
             link = _lifetime.link_for(desc.address, desc.owner_token, authkey)
-            lease = int(link.request("lease", desc.alloc_id, desc.generation, desc.lease_id))
+            lease = int(link.request(LeaseVia, desc.alloc_id, desc.generation, desc.lease_id))
     except DescriptorError as exc:
         raise DescriptorError(
             f"a gpushare buffer in this Ray object can no longer be read ({exc}): a Ray object pins its "

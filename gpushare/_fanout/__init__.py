@@ -1,7 +1,7 @@
 """Fan-out: one producer's slots, held by many readers; the ring and the tensor set on top.
 
 The mechanism: :mod:`._slots` (slots that readers hold, given back by release
-words and events), :mod:`._service` (the socket side: its messages, and registering readers),
+words and events), :mod:`._registry` (the socket side: its messages, and registering readers),
 :mod:`._channel` (one reader's
 shared memory). Two policies over it:
 

@@ -22,7 +22,7 @@ from .._buffer import Buffer
 from .._errors import GpushareError, OwnerGoneError, RingClosedError, WaitTimeoutError
 from ._channel import SLOT_RECORDED, Channel, soak
 from ._item import RingItem, SlotView, slot_view
-from ._service import CLOSED, META, RING, Frames, read_frame, register
+from ._registry import CLOSED, META, RING, Frames, read_frame, register
 from ._slots import ReaderEnd
 from ._wire import SPIN_LOOKS, SpinPolicy, poll_ms
 

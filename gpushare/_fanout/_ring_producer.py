@@ -24,7 +24,7 @@ from .._buffer import Buffer
 from .._errors import RingClosedError, WaitTimeoutError
 from ._channel import INLINE_META, RECORDED, poke
 from ._item import RingItem, slot_view
-from ._service import RING, Closed, Frames, Reader, Registry, closed_frame, meta_frame, send_frame
+from ._registry import RING, Closed, Frames, Reader, Registry, closed_frame, meta_frame, send_frame
 from ._slots import FREE, WRITING, Slots
 from ._wire import MAX_META, SPIN_LOOKS, SpinPolicy, poll_ms
 

@@ -22,7 +22,7 @@ from .._buffer import Buffer, memory_of
 from .._errors import TensorSetClosedError, WaitTimeoutError
 from ._channel import RECORDED, poke, soak
 from ._layout import Layout
-from ._service import TENSOR_SET, Closed, Grant, Reader, Registry, Take, TimedOut, decode
+from ._registry import TENSOR_SET, Closed, Grant, Reader, Registry, Take, TimedOut, decode
 from ._slots import FREE, WRITING, Slots
 from ._wire import poll_ms
 

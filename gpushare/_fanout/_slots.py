@@ -199,7 +199,7 @@ def _close_handles(handles: list[Any]) -> None:
 class ReaderEnd:
     """A reader's side of the slots: its connection, channel and fds, the slot buffers (mapped
     once), the producer's ready events and its own release events. Filled by
-    ``_service.register``; the policy's end object keeps it."""
+    ``_registry.register``; the policy's end object keeps it."""
 
     def __init__(self) -> None:
         self.conn: Any = None

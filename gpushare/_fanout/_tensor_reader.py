@@ -29,7 +29,7 @@ from .._errors import (
 from ._copy import copy_regions, copy_stream, host_copy, regions, stream_handle
 from ._handles import TensorSetInfo
 from ._layout import Layout
-from ._service import TENSOR_SET, Closed, Grant, Take, TimedOut, decode, register
+from ._registry import TENSOR_SET, Closed, Grant, Take, TimedOut, decode, register
 from ._slots import ReaderEnd
 from ._views import SlotTensors
 

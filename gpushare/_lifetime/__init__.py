@@ -18,8 +18,8 @@ Owner side (:class:`Owner`, one per Manager, in the process that allocates)
 * When an allocation has neither an owner reference nor a lease it goes back
   to a size-class pool and is reused by the next allocation of that size.
 * Memory is freed (``trim()``, shutdown, pool over its limit) only after
-  every process that mapped it has unmapped: the owner sends ``unmap`` to
-  each mapper and waits for ``unmapped``; a mapper that cannot unmap, or
+  every process that mapped it has unmapped: the owner sends ``Unmap`` to
+  each mapper and waits for ``Unmapped``; a mapper that cannot unmap, or
   does not answer in time, makes the owner leak the allocation rather than free
   memory someone may still reach.
 * At shutdown the owner waits (bounded) for leases to come back, then
@@ -29,8 +29,8 @@ Consumer side (:class:`Link`, one per owner per process)
 --------------------------------------------------------
 * One authenticated Unix-socket connection to the owner (multiprocessing's
   HMAC challenge with the process authkey, both ways, before anything is
-  unpickled) and a reader thread for replies and ``unmap`` requests.
-* The first arrival of an allocation sends a ``claim`` and maps the memory
+  unpickled) and a reader thread for replies and ``Unmap`` requests.
+* The first arrival of an allocation sends a ``Claim`` and maps the memory
   while the owner answers; the mapping is used only once the claim is
   accepted (a refusal unmaps it and raises). The owner then counts this
   process among the allocation's mappers.
@@ -41,39 +41,17 @@ Consumer side (:class:`Link`, one per owner per process)
   collector, so recording never blocks: what cannot be written at once
   goes, in order, through a writer thread (which also nudges the owner
   when the journal fills). Without ``memfd_create`` the writer sends the
-  same records as ``batch`` messages.
+  same records as ``Batch`` messages.
 * Mappings are cached per allocation and *retained* after their last
   buffer goes, so a recycled allocation arrives with no new open; they are
-  closed when the owner asks (``unmap``) or the process exits. The owner's
+  closed when the owner asks (``Unmap``) or the process exits. The owner's
   ready events (a few per device, recorded in turn) are opened once per
   process.
 * When the connection closes, the owner is gone: every buffer of that owner
   raises :class:`OwnerGoneError` when touched.
 
-Wire messages are pickled tuples on an authenticated connection:
-consumer -> owner ``("hello", pid, owner token, has_journal)`` (then, if it
-has one, the journal's file descriptor by SCM_RIGHTS; a token that is not
-this owner's is answered by ``("refused", message)`` and the connection
-closed: the descriptor named another Manager), ``("claim", req, lease, alloc)``
-(first arrival of an allocation: answered), ``("drain",)`` (read my
-journal), ``("batch", [lease...], [lease...])`` (no journal: claims, then
-releases), ``("lease", req, alloc, generation, lease it came under)``
-(re-sharing: answered with the new lease; the re-sharing process records
-its own ready event), ``("fd", req, alloc)``, ``("unmapped", alloc, ok)``,
-and the requests a process makes of the owner as a whole:
-``("alloc", req, backend, device uuid, nbytes, label, dtype, shape, transient)``
-(allocate memory for the asker, answered with a descriptor under a new
-lease that the asker then claims like any other: how a client of a
-server-owned Manager allocates, and how a loader's workers get slots that
-the trainer owns), ``("stats", req)``, ``("trim", req)`` and ``("shutdown", req, timeout)``;
-owner -> consumer ``("ok", req, value)``, ``("okfd", req, None)`` immediately
-followed on the socket by one file descriptor (SCM_RIGHTS: the fd-based
-backends' allocation or pool handle, sent only for an allocation the
-consumer holds a lease on), ``("err", req, message)``, ``("claim_failed",
-lease, message)`` (an asynchronous claim was refused), ``("unmap", alloc)``,
-``("bye", reason)``. The owner reads a consumer's journal before it handles
-any message from it, so records always count before whatever the consumer
-sent after them.
+The messages both sides exchange are :mod:`._protocol`'s (``LEASE``: one
+NamedTuple per message, on :mod:`gpushare._service`'s message layer).
 
 Where each part lives. Both sides are objects composed of parts, each with
 its own state and methods (no part is a base class of another):
@@ -86,10 +64,9 @@ its own state and methods (no part is a base class of another):
   housekeeping); they share one :class:`~._records.OwnerState` and its lock;
   ``_records`` holds the allocation, lease and peer records;
 * consumer side: :class:`Link` (``_link``: attaching descriptors, the mapping
-  cache, closing) holds an :class:`~._connection.OwnerConnection` (requests,
-  the reader thread) and a :class:`~._recorder.LeaseRecorder` (lease records,
-  the writer thread);
-* both: ``_protocol`` (constants, warnings) and ``_ready`` (ready events).
+  cache, closing, requests; the handler of its :class:`~gpushare._service.Client`)
+  holds a :class:`~._recorder.LeaseRecorder` (lease records, the writer thread);
+* both: ``_protocol`` (the messages, constants, warnings) and ``_ready`` (ready events).
 
 The service hands out :class:`~gpushare._memory.Memory` references; the layer above
 (:mod:`gpushare._buffer`, the Manager) wraps them in Buffers.

@@ -23,7 +23,7 @@ from typing import Any
 
 from .._errors import DescriptorError, ManagerClosedError
 from ._alloc_pool import AllocationPool
-from ._protocol import LOCAL, RELEASE
+from ._protocol import LOCAL, RELEASE, ClaimFailed
 from ._records import AllocRecord, Lease, OwnerState, Peer
 
 __all__ = ["LeaseTable", "check_alive"]
@@ -128,7 +128,7 @@ class LeaseTable:
                 peer, lease_id, why = self._refusals.get_nowait()
             except queue.Empty:
                 return
-            peer.send(("claim_failed", lease_id, why))
+            peer.send(ClaimFailed(lease_id, why))
 
     # -- taking, claiming, releasing -----------------------------------------------------
     def take(self, record: AllocRecord, generation: int, record_event: bool = True) -> tuple[int, bytes, bytes]:

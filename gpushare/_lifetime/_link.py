@@ -1,10 +1,11 @@
 """The consumer side: one :class:`Link` per owner per process, and :func:`attach`.
 
-A Link is composed of two parts and the cache they serve:
+A Link is the consumer's end of the lease service (:data:`~._protocol.LEASE`), composed of:
 
-* ``connection`` (:class:`~._connection.OwnerConnection`): the authenticated
-  socket to the owner, requests and replies, and the reader thread that
-  answers ``unmap`` and learns that the owner is gone;
+* ``client`` (:class:`gpushare._service.Client`): the authenticated socket to the owner,
+  requests and their replies, and the reader thread that hands the Link what the owner
+  says unasked (the Link is its handler: ``Unmap``, ``ClaimFailed``, ``Bye``, ``Refused``,
+  and the connection's end, which marks the owner gone);
 * ``recorder`` (:class:`~._recorder.LeaseRecorder`): claims and releases as
   journal records that never block, and the writer thread;
 * the mapping cache (this class): every allocation of that owner mapped in
@@ -24,16 +25,38 @@ from __future__ import annotations
 import atexit
 import os
 import threading
-from multiprocessing import current_process
-from typing import Any
+from multiprocessing import AuthenticationError, current_process
+from typing import TYPE_CHECKING, Any
 
 from .. import _backends, _journal, _seams
 from .._descriptor import Descriptor
 from .._errors import DescriptorError, OwnerGoneError
 from .._memory import Memory
-from ._connection import OwnerConnection
-from ._protocol import CLAIM, RELEASE, log, owner_for
+from .._service import Client, Err, Handler, Ok, OkFd, Pending, handles
+from ._protocol import (
+    CLAIM,
+    LEASE,
+    RELEASE,
+    REQUEST_TIMEOUT,
+    Bye,
+    Claim,
+    ClaimFailed,
+    ExportFd,
+    Hello,
+    LeaseVia,
+    Refused,
+    Unmap,
+    Unmapped,
+    log,
+    owner_for,
+)
 from ._recorder import LeaseRecorder
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Concatenate, ParamSpec
+
+    P = ParamSpec("P")
 
 __all__ = ["Link", "attach", "close_link", "close_links", "link_for", "link_stats", "links"]
 
@@ -54,7 +77,7 @@ class _LeaseSource:
         """Re-share a received buffer (A -> B -> C): a new lease from the owner, and a
         ready event recorded here, after this process's own work on the buffer (and,
         if this process never waited for the producer, after the producer's too)."""
-        lease_id = int(self.link.connection.request("lease", memory.alloc_id, memory.generation, self.lease_id))
+        lease_id = int(self.link.request(LeaseVia, memory.alloc_id, memory.generation, self.lease_id))
         if memory.device is None:
             return lease_id, b"", memory.handle
         from ._ready import process_ready  # CUDA memory only: a host process never loads the CUDA layer
@@ -63,12 +86,12 @@ class _LeaseSource:
         return lease_id, process_ready.record(memory.device), memory.handle
 
     def check(self, memory: Memory) -> None:
-        connection = self.link.connection
-        refused = connection.failed.get(self.lease_id)
+        link = self.link
+        refused = link.failed.get(self.lease_id)
         if refused is not None:
             raise DescriptorError(f"the owner refused this buffer's lease: {refused}")
-        if connection.gone is not None:
-            raise connection.gone_error()
+        if link.gone is not None:
+            raise link.gone_error()
 
     @property
     def authkey(self) -> bytes:
@@ -79,13 +102,17 @@ _links: dict[bytes, Link] = {}
 _links_lock = threading.Lock()
 
 
-class Link:
+class Link(Handler):
     """This process's connection to one owner, with its mapping cache."""
 
     def __init__(self, address: str, token: bytes, authkey: bytes) -> None:
         self.token = token
         self.authkey = bytes(authkey)
         self.address = address
+        self.shut_down = False  # the owner is gone because its Manager was shut down (its process may live on)
+        self.closed_here = False  # it is gone because this process closed the connection
+        self.refused: str | None = None  # the owner said the descriptor was not its own
+        self.failed: dict[int, str] = {}  # lease id -> why the owner refused an asynchronous claim
         # Guards the cache below and the recorder's journal (one lock per record, not two).
         self._lock = threading.Lock()
         self._mappings: dict[int, _backends.Mapping] = {}  # alloc id -> mapping
@@ -95,14 +122,12 @@ class Link:
         journal = _journal.create_writer()
         self.recorder = LeaseRecorder(self._lock, journal, self._unhold_locked, self._retire_if_unused, address)
         try:
-            self.connection = OwnerConnection(
-                address,
-                token,
-                authkey,
-                None if journal is None else journal.fd,
-                self._unmap,
-                self._retire_if_unused,
-            )
+            self.client = _connect(address, authkey, self)
+            try:
+                self.send(Hello(os.getpid(), token, None if journal is None else journal.fd))
+            except BaseException:
+                self.client.channel.close()
+                raise
         except BaseException:
             if journal is not None:
                 journal.close()
@@ -110,17 +135,116 @@ class Link:
         finally:
             if journal is not None:
                 journal.close_fd()  # the owner has its own; the mapping stays
-        self.recorder.start(self.connection.send_quietly, lambda: self.connection.gone is not None)
-        self.connection.start()
+        self.recorder.start(self.send_quietly, lambda: self.gone is not None)
+        self.client.start()
 
     @property
     def gone(self) -> str | None:
         """Why the owner is gone, or None while it is there."""
-        return self.connection.gone
+        return self.client.ended
 
-    def request(self, kind: str, *args: Any) -> Any:
-        """A request to the owner, answered (``lease``, ``alloc``, ``stats``, ``trim``, ``fd``)."""
-        return self.connection.request(kind, *args)
+    # -- requests -------------------------------------------------------------------------
+    def send(self, message: tuple[Any, ...]) -> None:
+        """Send a message of the lease protocol; a lost connection raises OwnerGoneError
+        (DescriptorError if the owner refused this link)."""
+        try:
+            self.client.send(message)
+        except (OSError, ValueError) as exc:
+            raise self._lost() from exc
+
+    def send_quietly(self, message: tuple[Any, ...]) -> None:
+        """Send if the owner is still there; a gone owner is no error here (it learns nothing new)."""
+        if self.gone is None:
+            try:
+                self.send(message)
+            except OwnerGoneError:
+                pass
+
+    def request(self, kind: Callable[Concatenate[int, P], tuple[Any, ...]], *args: P.args, **kwargs: P.kwargs) -> Any:
+        """A request to the owner (``kind(req, *args)``: ``LeaseVia``, ``Alloc``, ``Stats``,
+        ``Trim``, ``ExportFd``), answered: its value, or an fd."""
+        return self.answer(self.ask(kind, *args, **kwargs))
+
+    def ask(self, kind: Callable[Concatenate[int, P], tuple[Any, ...]], *args: P.args, **kwargs: P.kwargs) -> Pending:
+        """Send a request without waiting; :meth:`answer` waits for its reply. Requests are
+        served in the order they were sent, so a later one may depend on it."""
+        if self.refused is not None:
+            raise DescriptorError(self.refused)
+        if self.gone is not None:
+            raise self.gone_error()
+        try:
+            return self.client.ask(kind, *args, **kwargs)
+        except (OSError, ValueError) as exc:
+            raise self._lost() from exc
+
+    def _lost(self) -> DescriptorError | OwnerGoneError:
+        """The error for a send that failed. An owner that refused this process (the
+        descriptor named another Manager) says so and closes: a send can fail before
+        the reader thread has read why."""
+        self.client.join_reader(1.0)
+        if self.refused is not None:
+            return DescriptorError(self.refused)
+        return self.gone_error()
+
+    def answer(self, pending: Pending, timeout: float = REQUEST_TIMEOUT) -> Any:
+        """The reply to a request made with :meth:`ask` (raises what the owner refused)."""
+        try:
+            reply = self.client.answer(pending, timeout)
+        except TimeoutError:
+            raise OwnerGoneError(f"the owner of this buffer did not answer within {timeout:g} s") from None
+        if type(reply) is Ok:
+            return reply.value
+        if type(reply) is OkFd:
+            return reply.fd
+        if type(reply) is Err:
+            raise DescriptorError(reply.message)
+        if self.refused is not None:
+            raise DescriptorError(self.refused)
+        raise self.gone_error()
+
+    # -- what the owner says unasked (the client's reader thread) -----------------------------
+    @handles(Unmap)
+    def _on_unmap(self, message: Unmap) -> None:
+        self.send_quietly(Unmapped(message.alloc, self._unmap(message.alloc)))
+
+    @handles(ClaimFailed)
+    def _on_claim_failed(self, message: ClaimFailed) -> None:
+        self.failed[message.lease] = message.message
+
+    @handles(Bye)
+    def _on_bye(self, message: Bye) -> None:
+        self.shut_down = True
+        self.client.end(message.reason)
+        self._retire_if_unused()
+
+    @handles(Refused)
+    def _on_refused(self, message: Refused) -> None:
+        self.refused = message.message
+        self.client.end(message.message)
+
+    def on_close(self) -> None:
+        """The connection ended: the owner is gone."""
+        self._retire_if_unused()
+
+    def gone_error(self) -> OwnerGoneError:
+        """The error for a use of this owner's memory once it is gone, saying which way it went:
+        its Manager was shut down (its process may well be running), this process closed the
+        connection, or the owner's process exited or stopped answering."""
+        if self.shut_down:
+            return OwnerGoneError(
+                "the Manager that owns this buffer was shut down: it shares no memory any more, and this "
+                "buffer's may be freed (the process that made the Manager may still be running). Keep the "
+                "Manager open (inside its 'with' block, before shutdown()) until workers are done with its buffers"
+            )
+        if self.closed_here:
+            return OwnerGoneError(
+                f"this process closed its connection to the owner of this buffer ({self.gone}); its memory "
+                "may no longer be used here"
+            )
+        return OwnerGoneError(
+            f"the process that owns this buffer is gone ({self.gone}); its memory may be freed. Keep the "
+            "owner's process and its Manager running until workers are done with its buffers"
+        )
 
     # -- attaching descriptors ------------------------------------------------------------
     def attach(self, desc: Descriptor) -> Memory:
@@ -176,8 +300,7 @@ class Link:
         the two in that order.
         """
         lease_id, alloc_id = desc.lease_id, desc.alloc_id
-        connection = self.connection
-        claim = connection.ask("claim", lease_id, alloc_id)
+        claim = self.ask(Claim, lease_id, alloc_id)
         try:
             # Opened without the lock: an fd-based open waits on the reader thread,
             # which takes that lock to answer the owner's unmap requests.
@@ -185,18 +308,18 @@ class Link:
                 desc.handle,
                 desc.alloc_nbytes,
                 desc.device_uuid,
-                lambda: int(connection.request("fd", alloc_id)),
+                lambda: int(self.request(ExportFd, alloc_id)),
                 desc.owner_token,
             )
         except BaseException as exc:
             try:
-                connection.answer(claim)  # a refusal explains a failed open best (the memory went)
+                self.answer(claim)  # a refusal explains a failed open best (the memory went)
             except (DescriptorError, OwnerGoneError) as refusal:
                 raise refusal from exc
             self.recorder.note(RELEASE, lease_id, -1)  # claimed but never mapped: give it back
             raise
         try:
-            connection.answer(claim)
+            self.answer(claim)
         except BaseException:
             backend.close(opened)
             raise
@@ -232,7 +355,7 @@ class Link:
         mapping = self._mappings.get(alloc_id)
         if mapping is not None:
             mapping.refs -= 1
-        if self.connection.gone is not None and not self._held and not self._retired:
+        if self.gone is not None and not self._held and not self._retired:
             self.recorder.request_retire()  # the last buffer of a gone owner (not here: maybe in gc)
 
     def _unmap(self, alloc_id: int) -> bool:
@@ -260,7 +383,7 @@ class Link:
         last release asks the writer thread to come back here.
         """
         with self._lock:
-            if self.connection.gone is None or self._held or self._retired:
+            if self.gone is None or self._held or self._retired:
                 return
         with _links_lock:
             if _links.get(self.token) is self:
@@ -279,7 +402,10 @@ class Link:
                 return
             self._retired = True
         self.recorder.close()  # records queued before go into the journal first
-        self.connection.close()  # the owner reads the journal and drops this process's leases
+        if self.gone is None:
+            self.closed_here = True
+        # The owner reads the journal and drops this process's leases.
+        self.client.close("this process's Manager shut down, or it is exiting")
         with self._lock:
             events, self._events = self._events, {}
             mappings = list(self._mappings.values())
@@ -300,6 +426,23 @@ class Link:
             _backends.forget(self.token)
         except Exception:
             log.exception("gpushare: dropping a closed link's backend state failed")
+
+
+def _connect(address: str, authkey: bytes, link: Link) -> Client:
+    """A client of the lease service at ``address`` whose handler is ``link`` (not reading yet)."""
+    try:
+        return Client(address, authkey, LEASE, link, "gpushare-link-reader")
+    except AuthenticationError as exc:
+        raise OwnerGoneError(
+            "the owner of this buffer refused this process: authentication failed. Processes "
+            "share buffers only with processes started from the Manager's process tree (same "
+            "multiprocessing authkey)"
+        ) from exc
+    except (OSError, EOFError) as exc:
+        raise OwnerGoneError(
+            f"cannot reach the owner of this buffer at {address} ({exc}): the process that made it "
+            "exited or shut its Manager down"
+        ) from exc
 
 
 def attach(desc: Descriptor) -> Memory:

@@ -13,10 +13,10 @@ and methods, all sharing one :class:`~._records.OwnerState` (and its lock):
   thread per consumer, and housekeeping.
 
 This module adds allocation (for this process, and for another process that
-asks: ``alloc``), the owner's own references (:class:`_OwnerSource`),
+asks: ``Alloc``), the owner's own references (:class:`_OwnerSource`),
 statistics and shutdown: stop sharing, wait (bounded) for leases, report what
 is still out with a :class:`~gpushare.LeakWarning`, free what is free, and
-tell every consumer ``bye``.
+tell every consumer ``Bye``.
 """
 
 from __future__ import annotations
@@ -29,15 +29,14 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import _backends
-from .._authsocket import shutdown_socket
 from .._descriptor import Descriptor
 from .._errors import LeakWarning, ManagerClosedError
 from .._memory import Memory
 from ._alloc_pool import AllocationPool
 from ._lease_table import LeaseTable, check_alive
-from ._protocol import LOCAL, owner_for, owners, warn
+from ._protocol import LOCAL, Alloc, Bye, Shutdown, Stats, Trim, owner_for, owners, warn
 from ._records import AllocRecord, Lease, OwnerState
-from ._request_loop import RequestLoop
+from ._request_loop import Calls, RequestLoop
 from ._unmapper import Unmapper
 
 __all__ = ["Owner", "owner_for"]
@@ -101,12 +100,7 @@ class Owner:
         self.leases = LeaseTable(state, self.pool, lease_timeout)
         self.unmapper = Unmapper(state, self.pool, self.leases, unmap_timeout)
         self._ids = itertools.count(1)
-        calls: dict[str, Callable[..., Any]] = {
-            "alloc": self.allocate_for_peer,
-            "stats": self.stats,
-            "trim": self.trim,
-            "shutdown": self.shutdown,
-        }
+        calls: Calls = {Alloc: self.allocate_for_peer, Stats: self.stats, Trim: self.trim, Shutdown: self.shutdown}
         self.loop = RequestLoop(state, self.leases, self.pool, self.unmapper, calls)
         with _owners_lock:
             _owners[state.token] = self
@@ -142,7 +136,7 @@ class Owner:
         shape: tuple[int, ...],
         transient: bool = False,
     ) -> bytes:
-        """Another process's ``alloc`` request: the descriptor of new memory under a lease it
+        """Another process's ``Alloc`` request: the descriptor of new memory under a lease it
         claims like any other. The owner keeps no reference of its own, so the memory lives
         exactly as long as some process holds it (then it is pooled, or freed if
         ``transient``)."""
@@ -262,7 +256,7 @@ class Owner:
         """Wait (bounded) for leases, report leaks, free everything free, stop serving.
 
         Returns the text of the leak warning it gave, if any, and hands it to
-        ``before_bye`` just before telling the consumers ``bye`` (a client of a
+        ``before_bye`` just before telling the consumers ``Bye`` (a client of a
         server-owned Manager asked for this shutdown over its own connection,
         and raises the warning again in its process)."""
         timeout = self.shutdown_timeout if timeout is None else timeout
@@ -311,9 +305,9 @@ class Owner:
         with state.lock:
             peers = list(state.peers.values())
         for peer in peers:
-            peer.send(("bye", "the owning Manager was shut down"))
+            peer.send(Bye("the owning Manager was shut down"))
             try:
-                shutdown_socket(peer.conn.fileno())
+                peer.channel.shutdown()
             except OSError:  # its connection closed meanwhile
                 pass
         self.loop.close()

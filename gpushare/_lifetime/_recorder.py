@@ -5,8 +5,8 @@ only ever *tries* its lock (the link's lock, which guards the journal too: one
 lock per record instead of two), writes the record straight into the
 shared-memory journal (:mod:`gpushare._journal`) when it can, and otherwise
 appends it to a backlog that the writer thread moves into the journal in
-order, nudging the owner (``drain``) when the journal fills. Without a
-journal the backlog goes as ``batch`` messages.
+order, nudging the owner (``Drain``) when the journal fills. Without a
+journal the backlog goes as ``Batch`` messages.
 
 A release is *accounted* in the link (the lease no longer holds its mapping:
 ``unhold``) before its record is written, so an owner that has read the
@@ -23,9 +23,11 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import _journal
-from ._protocol import CLAIM, NUDGE, RELEASE, REQUEST_TIMEOUT, RETIRE, log
+from ._protocol import CLAIM, NUDGE, RELEASE, REQUEST_TIMEOUT, RETIRE, Batch, Drain, log
 
 __all__ = ["LeaseRecorder"]
+
+_DRAIN = Drain()
 
 
 class LeaseRecorder:
@@ -100,7 +102,7 @@ class LeaseRecorder:
         self._wake.put(1)
 
     def nudge(self) -> None:
-        """Have the owner read the journal now (the writer thread sends ``drain``): after
+        """Have the owner read the journal now (the writer thread sends ``Drain``): after
         releasing transient memory, so that the owner frees it at once, not at its next
         housekeeping round."""
         self._wake.put(NUDGE)
@@ -126,11 +128,11 @@ class LeaseRecorder:
                 self._send_backlog()
                 continue
             if NUDGE in signals:
-                self._send(("drain",))
+                self._send(_DRAIN)
             # Journal full: hold the backlog, nudge, retry, until it is written or the owner is gone.
             deadline = time.monotonic() + REQUEST_TIMEOUT
             while not self._write_backlog() and not self._gone():
-                self._send(("drain",))
+                self._send(_DRAIN)
                 if time.monotonic() > deadline:
                     log.error(
                         "gpushare: the owner (address %s) has not read this process's lease records for %g s",
@@ -157,7 +159,7 @@ class LeaseRecorder:
         return True
 
     def _send_backlog(self) -> None:
-        """No journal: send the backlog as one ``batch`` message (claims, then releases)."""
+        """No journal: send the backlog as one ``Batch`` message (claims, then releases)."""
         batch = []
         while self._backlog:
             batch.append(self._backlog.popleft())
@@ -169,7 +171,7 @@ class LeaseRecorder:
                     self._unhold(lease_id, alloc_id)
         claims = [lease_id for kind, lease_id, _, _ in batch if kind == CLAIM]
         releases = [lease_id for kind, lease_id, _, _ in batch if kind == RELEASE]
-        self._send(("batch", claims, releases))
+        self._send(Batch(claims, releases))
 
     def close(self) -> None:
         """Stop the writer (after the records queued before), then close the journal."""

@@ -5,26 +5,24 @@
   Buffers reference it, the leases on it and the processes that map it.
 * :class:`Lease` -- one pickling of a buffer: unclaimed until the receiving
   process claims it, then held by that process until released.
-* :class:`Peer` -- one connected consumer process: its connection, its
+* :class:`Peer` -- one connected consumer process: its channel, its
   leases and its lease journal.
 * :class:`OwnerState` -- what every part of an :class:`~gpushare._lifetime._owner.Owner`
   reads and changes, always under ``lock``: the allocation table, the
   connected peers, whether the owner is closed, and the owner's ready events.
 
-Plain data. A peer's ``send`` takes the peer's own send lock, never the
+Plain data. A peer's ``send`` takes its channel's send lock, never the
 owner's, so replies never wait for the owner.
 """
 
 from __future__ import annotations
 
-import os
 import secrets
-import socket
 import threading
-from multiprocessing import connection, reduction
 from typing import Any
 
 from .. import _backends, _journal
+from .._service import Channel
 from ._ready import ReadyEvents
 
 __all__ = ["AllocRecord", "Lease", "OwnerState", "Peer"]
@@ -89,47 +87,23 @@ class Lease:
 class Peer:
     """One connected consumer process, as the owner sees it."""
 
-    __slots__ = ("conn", "conn_id", "journal", "leases", "pid", "send_lock", "sock")
+    __slots__ = ("channel", "conn_id", "journal", "leases", "pid")
 
-    def __init__(self, conn_id: int, conn: connection.Connection) -> None:
+    def __init__(self, conn_id: int, channel: Channel) -> None:
         self.conn_id = conn_id
-        self.conn = conn
+        self.channel = channel
         self.pid = 0
         self.leases: set[int] = set()
-        self.send_lock = threading.Lock()
-        self.sock: socket.socket | None = None  # the connection's socket, for SCM_RIGHTS
         self.journal: _journal.JournalReader | None = None  # its lease records (read under the owner lock)
 
-    def socket(self) -> socket.socket:
-        if self.sock is None:
-            self.sock = socket.socket(fileno=os.dup(self.conn.fileno()))
-        return self.sock
-
     def send(self, message: tuple[Any, ...]) -> bool:
-        try:
-            with self.send_lock:
-                self.conn.send(message)
-            return True
-        except (OSError, ValueError):
-            return False
-
-    def send_fd(self, req: int, fd: int) -> bool:
-        """Reply to request ``req`` with a file descriptor: a message, then the fd itself."""
-        try:
-            with self.send_lock:
-                sock = self.socket()
-                self.conn.send(("okfd", req, None))
-                reduction.sendfds(sock, [fd])
-            return True
-        except (OSError, ValueError):
-            return False
+        """Send a message of the lease protocol; False if the connection is gone."""
+        return self.channel.try_send(message)
 
     def close(self) -> None:
-        if self.sock is not None:
-            self.sock.close()
         if self.journal is not None:
             self.journal.close()
-        self.conn.close()
+        self.channel.close()
 
 
 class OwnerState:

@@ -1,8 +1,8 @@
 """Freeing memory: only after every process that mapped it says it unmapped it.
 
-The owner sends ``("unmap", alloc)`` to each mapper and waits up to
-``timeout`` for ``("unmapped", alloc, ok)`` (the request loop hands the
-answers to :meth:`Unmapper.answered`). A mapper that refuses (a buffer of its
+The owner sends ``Unmap`` to each mapper and waits up to ``timeout`` for
+``Unmapped`` (the request loop hands the answers to
+:meth:`Unmapper.answered_locked`). A mapper that refuses (a buffer of its
 still uses the memory) or does not answer makes the owner leak the allocation
 with a :class:`~gpushare.LeakWarning` rather than free memory someone may
 still reach. ``trim()`` frees the whole pool this way; an out-of-memory retry
@@ -17,7 +17,7 @@ from collections.abc import Callable
 from .._errors import LeakWarning
 from ._alloc_pool import AllocationPool
 from ._lease_table import LeaseTable
-from ._protocol import warn
+from ._protocol import Unmap, warn
 from ._records import AllocRecord, OwnerState, Peer
 
 __all__ = ["Unmapper"]
@@ -46,7 +46,7 @@ class Unmapper:
             self._waits[record.alloc_id] = waits
             peers = [state.peers[c] for c in record.mappers if c in state.peers]
         for peer in peers:
-            if not peer.send(("unmap", record.alloc_id)):
+            if not peer.send(Unmap(record.alloc_id)):
                 with state.lock:
                     waits[peer.conn_id] = True
         deadline = time.monotonic() + self.timeout
