@@ -93,7 +93,7 @@ def test_wrong_authkey_is_refused(manager, reap) -> None:
 def test_ring_never_unpickles_from_an_unauthenticated_peer(manager, tmp_path) -> None:
     marker = tmp_path / "pwned"
     with manager.ring((8,), "float32", device="cpu", consumers=0) as ring:
-        raw_attack(ring._core._listener.address, pickle.dumps(Evil(str(marker))), True)
+        raw_attack(ring._core._registry.address, pickle.dumps(Evil(str(marker))), True)
         assert not marker.exists()
         assert ring.stats()["consumers"] == 0
 
