@@ -61,8 +61,11 @@ its own state and methods (no part is a base class of another):
   a :class:`~._lease_table.LeaseTable` (leases, the journals, deferred
   finalizer work), an :class:`~._unmapper.Unmapper` (the unmap protocol and
   freeing) and a :class:`~._request_loop.RequestLoop` (the socket service and
-  housekeeping); they share one :class:`~._records.OwnerState` and its lock;
-  ``_records`` holds the allocation, lease and peer records;
+  housekeeping), which adds and removes the connected
+  :class:`~._records.Consumers`; each part owns its facts and asks the others
+  for theirs, under one lock (:class:`~._records.OwnerState`, which still
+  holds the allocation table); ``_records`` holds the allocation, lease and
+  peer records;
 * consumer side: :class:`Link` (``_link``: attaching descriptors, the mapping
   cache, closing, requests; the handler of its :class:`~gpushare._service.Client`)
   holds a :class:`~._recorder.LeaseRecorder` (lease records, the writer thread);

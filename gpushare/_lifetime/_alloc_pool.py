@@ -30,6 +30,7 @@ class AllocationPool:
         self._unused_transient: list[AllocRecord] = []  # to be freed by housekeeping, started by kick()
         self.kick: Callable[[], object] = lambda: None  # the request loop's: housekeep now
         self.reused = 0
+        self._closed = False  # the owner is shutting down: nothing is pooled any more
 
     def take(self, key: tuple[str, int | None, int]) -> AllocRecord | None:
         """A pooled allocation of ``key`` for a new life, or None."""
@@ -43,9 +44,9 @@ class AllocationPool:
         return record
 
     def offer(self, record: AllocRecord) -> None:
-        """Pool ``record`` if nothing references it any more (and the owner still serves);
+        """Pool ``record`` if nothing references it any more (and the owner is not shutting down);
         a transient one is set aside to be freed instead."""
-        if record.owner_ref or record.leases or record.pooled or record.dead or self._state.closed:
+        if record.owner_ref or record.leases or record.pooled or record.dead or self._closed:
             return
         if record.transient:
             if record not in self._unused_transient:
@@ -55,6 +56,10 @@ class AllocationPool:
         record.pooled = True
         self._free.setdefault(record.pool_key, []).append(record)
         self._state.cond.notify_all()
+
+    def close(self) -> None:
+        """The owner is shutting down: nothing is pooled any more."""
+        self._closed = True
 
     def remove(self, record: AllocRecord) -> None:
         """Take a pooled ``record`` out (to be freed)."""

@@ -6,6 +6,11 @@ it -- by a message for a first arrival, by a journal record otherwise -- and
 releases it by a journal record. A released lease may leave its allocation
 unreferenced: it is offered to the pool.
 
+The table owns every lease fact: the leases, which holder (a consumer's
+connection id, or ``LOCAL``) holds which, each consumer's journal, the
+journalled claims it refused (for the service to tell the consumer), and the
+owner's ready events. A consumer's end is :meth:`LeaseTable.drop_holder_locked`.
+
 Finalizers never wait for the owner's lock: their work is deferred
 (:meth:`LeaseTable.defer`) and done by whoever next holds the lock, which also
 reads the consumers' journals first (:meth:`LeaseTable.catch_up_locked`), so
@@ -21,10 +26,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .. import _journal
 from .._errors import DescriptorError, ManagerClosedError
 from ._alloc_pool import AllocationPool
-from ._protocol import LOCAL, RELEASE, ClaimFailed
-from ._records import AllocRecord, Lease, OwnerState, Peer
+from ._protocol import LOCAL, RELEASE
+from ._ready import ReadyEvents
+from ._records import AllocRecord, Lease, OwnerState
 
 __all__ = ["LeaseTable", "check_alive"]
 
@@ -46,9 +53,13 @@ class LeaseTable:
         self._pool = pool
         self.timeout = float(lease_timeout)
         self._leases: dict[int, Lease] = {}
+        self._held: dict[int, set[int]] = {}  # connection id -> the lease ids it holds
+        self._journals: dict[int, _journal.JournalReader] = {}  # connection id -> its lease records
         self._ids = itertools.count(1)
         self._pending: queue.SimpleQueue[tuple[Callable[..., None], tuple[Any, ...]]] = queue.SimpleQueue()
-        self._refusals: queue.SimpleQueue[tuple[Peer, int, str]] = queue.SimpleQueue()
+        self._refusals: queue.SimpleQueue[tuple[int, int, str]] = queue.SimpleQueue()
+        self.ready = ReadyEvents()  # recorded at each share of a CUDA buffer
+        self._sharing = True  # False once the owner is shutting down
 
     def __len__(self) -> int:
         return len(self._leases)
@@ -75,11 +86,14 @@ class LeaseTable:
             fn(*args)
         if not journals:
             return
-        for peer in self._state.peers.values():
-            if peer.journal is not None:
-                self.read_journal_locked(peer)
+        for holder in self._journals:
+            self.read_journal_locked(holder)
 
-    def read_journal_locked(self, peer: Peer) -> None:
+    def add_journal_locked(self, holder: int, journal: _journal.JournalReader) -> None:
+        """Consumer ``holder``'s lease journal, read from now on (it came with its Hello)."""
+        self._journals[holder] = journal
+
+    def read_journal_locked(self, holder: int) -> None:
         """Apply a consumer's claims and releases, in the order it made them.
 
         A streaming consumer leaves thousands of records between two reads, two
@@ -89,13 +103,14 @@ class LeaseTable:
         records; figures in dev/performance.md); allocations whose last lease
         went are offered to the pool, and waiters woken, once per read.
         """
-        assert peer.journal is not None
-        records = peer.journal.read()
+        journal = self._journals.get(holder)
+        if journal is None:
+            return
+        records = journal.read()
         if not records:
             return
         leases = self._leases
-        holder = peer.conn_id
-        held = peer.leases
+        held = self._held.setdefault(holder, set())
         emptied: list[AllocRecord] = []
         for kind, lease_id in records:
             lease = leases.get(lease_id)
@@ -116,19 +131,20 @@ class LeaseTable:
                 try:
                     self.claim_locked(lease_id, None, holder)  # says why it is refused
                 except DescriptorError as exc:
-                    self._refusals.put((peer, lease_id, str(exc)))
+                    self._refusals.put((holder, lease_id, str(exc)))
         for record in emptied:
             self._pool.offer(record)
         self._state.cond.notify_all()
 
-    def send_refusals(self) -> None:
-        """Tell consumers which of their journalled claims were refused (never under the lock)."""
+    def refusals(self) -> list[tuple[int, int, str]]:
+        """The journalled claims refused since last asked, as (holder, lease id, why): the
+        service tells each consumer (never under the lock)."""
+        refused = []
         while True:
             try:
-                peer, lease_id, why = self._refusals.get_nowait()
+                refused.append(self._refusals.get_nowait())
             except queue.Empty:
-                return
-            peer.send(ClaimFailed(lease_id, why))
+                return refused
 
     # -- taking, claiming, releasing -----------------------------------------------------
     def take(self, record: AllocRecord, generation: int, record_event: bool = True) -> tuple[int, bytes, bytes]:
@@ -143,13 +159,13 @@ class LeaseTable:
             # consumers cost N*N reads (the housekeeper reads them every 0.2 s).
             self.catch_up_locked(journals=False)
             check_alive(record)
-            if state.closed:
+            if not self._sharing:
                 raise ManagerClosedError("the Manager is shutting down; it shares no more buffers")
             if record.generation != generation:
                 raise DescriptorError("this buffer's allocation was recycled; it cannot be shared any more")
             allocation = record.allocation
             handle = allocation.handle = record.backend.export(allocation)
-            event = state.ready.record(allocation.device) if record_event and record.backend.is_cuda else b""
+            event = self.ready.record(allocation.device) if record_event and record.backend.is_cuda else b""
             lease = Lease(next(self._ids), record, generation, time.monotonic())
             self._leases[lease.lease_id] = lease
             record.leases.add(lease.lease_id)
@@ -170,7 +186,7 @@ class LeaseTable:
             )
         lease.holder = holder
         if holder != LOCAL:
-            self._state.peers[holder].leases.add(lease_id)
+            self._held.setdefault(holder, set()).add(lease_id)
             lease.record.mappers.add(holder)
         return lease
 
@@ -180,14 +196,13 @@ class LeaseTable:
         several receivers of a pickled form that is read many times (a Ray object keeps
         its lease unclaimed and each reader leases through it)."""
         with self._state.lock:
-            record = self._state.records.get(alloc_id)
             lease = self._leases.get(via)
-            held = lease is not None and lease.record is record and lease.holder in (holder, None)
+            held = lease is not None and lease.record.alloc_id == alloc_id and lease.holder in (holder, None)
             if lease is not None and held:
                 lease.quiet = True
-        if record is None or not held:
+        if lease is None or not held:
             raise DescriptorError(f"allocation {alloc_id} is not leased to this process")
-        return self.take(record, generation, record_event=False)[0]
+        return self.take(lease.record, generation, record_event=False)[0]
 
     def quiet(self, lease_id: int) -> None:
         """Mark an unclaimed lease quiet (see ``Lease.quiet``): a Ray object's."""
@@ -204,15 +219,30 @@ class LeaseTable:
         del self._leases[lease_id]
         lease.record.leases.discard(lease_id)
         if holder != LOCAL:
-            peer = self._state.peers.get(holder)
-            if peer is not None:
-                peer.leases.discard(lease_id)
+            held = self._held.get(holder)
+            if held is not None:
+                held.discard(lease_id)
         self._pool.offer(lease.record)
         self._state.cond.notify_all()
 
-    def holds_locked(self, peer: Peer, record: AllocRecord) -> bool:
-        """Whether ``peer`` holds a lease on ``record``."""
-        return any(self._leases[i].record is record for i in peer.leases)
+    def held_record_locked(self, holder: int, alloc_id: int) -> AllocRecord | None:
+        """The allocation ``alloc_id`` if ``holder`` holds a lease on it, else None."""
+        for lease_id in self._held.get(holder, ()):
+            record = self._leases[lease_id].record
+            if record.alloc_id == alloc_id:
+                return record
+        return None
+
+    def drop_holder_locked(self, holder: int) -> None:
+        """Consumer ``holder``'s connection closed (exit, crash, SIGKILL): the claims it
+        journalled before it went count, then everything it held is released."""
+        self.read_journal_locked(holder)
+        journal = self._journals.pop(holder, None)
+        for lease_id in list(self._held.get(holder, ())):
+            self.release_locked(lease_id, holder)
+        self._held.pop(holder, None)
+        if journal is not None:
+            journal.close()
 
     # -- expiry and shutdown ----------------------------------------------------------------
     def expire_locked(self) -> list[Lease]:
@@ -223,9 +253,10 @@ class LeaseTable:
             self._forget_locked(lease)
         return expired
 
-    def drop_quiet_unclaimed_locked(self) -> None:
-        """At shutdown: an unclaimed quiet lease (a Ray object's) serves no one once sharing
-        stops -- its readers hold leases of their own."""
+    def stop_sharing_locked(self) -> None:
+        """At shutdown: no lease is taken any more, and an unclaimed quiet lease (a Ray
+        object's) serves no one -- its readers hold leases of their own."""
+        self._sharing = False
         for lease in [x for x in self._leases.values() if x.holder is None and x.quiet]:
             self._forget_locked(lease)
 
@@ -236,3 +267,7 @@ class LeaseTable:
 
     def unclaimed(self) -> int:
         return sum(1 for lease in self._leases.values() if lease.holder is None)
+
+    def close(self) -> None:
+        """The owner is gone: its ready events go too."""
+        self.ready.close()

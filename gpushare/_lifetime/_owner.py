@@ -1,28 +1,33 @@
 """The owner: one per Manager, in the process that allocates its memory.
 
-An :class:`Owner` is composed of parts, each an object with its own state
-and methods, all sharing one :class:`~._records.OwnerState` (and its lock):
+An :class:`Owner` is composed of parts, each an object that owns its facts
+and asks the others for theirs, all under one lock (:class:`~._records.OwnerState`,
+which also holds the allocation table):
 
 * ``pool`` (:class:`~._alloc_pool.AllocationPool`): unreferenced allocations
   by size class, handed out again;
 * ``leases`` (:class:`~._lease_table.LeaseTable`): taking, claiming and
-  releasing leases, reading the consumers' journals, deferred finalizer work;
+  releasing leases, who holds which, the consumers' journals, the ready
+  events, deferred finalizer work;
+* ``consumers`` (:class:`~._records.Consumers`): who is connected;
 * ``unmapper`` (:class:`~._unmapper.Unmapper`): freeing only after every
   mapper unmapped;
 * ``loop`` (:class:`~._request_loop.RequestLoop`): the socket service, one
   thread per consumer, and housekeeping.
 
-This module adds allocation (for this process, and for another process that
-asks: ``Alloc``), the owner's own references (:class:`_OwnerSource`),
-statistics and shutdown: stop sharing, wait (bounded) for leases, report what
-is still out with a :class:`~gpushare.LeakWarning`, free what is free, and
-tell every consumer ``Bye``.
+This module owns which Manager this is (``token``), its authkey and whether it
+is shutting down, and adds allocation (for this process, and for another
+process that asks: ``Alloc``), the owner's own references (:class:`_OwnerSource`),
+statistics and shutdown: stop sharing (telling the pool, the lease table and
+the consumers), wait (bounded) for leases, report what is still out with a
+:class:`~gpushare.LeakWarning`, free what is free, and tell every consumer ``Bye``.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -35,7 +40,7 @@ from .._memory import Memory
 from ._alloc_pool import AllocationPool
 from ._lease_table import LeaseTable, check_alive
 from ._protocol import LOCAL, Alloc, Bye, Shutdown, Stats, Trim, owner_for, owners, warn
-from ._records import AllocRecord, Lease, OwnerState
+from ._records import AllocRecord, Consumers, Lease, OwnerState
 from ._request_loop import Calls, RequestLoop
 from ._unmapper import Unmapper
 
@@ -94,28 +99,27 @@ class Owner:
         unmap_timeout: float = 5.0,
         pool_limit: int | None = None,
     ) -> None:
-        state = self._state = OwnerState(authkey)
+        self.token = secrets.token_bytes(16)  # which Manager: in every descriptor, and the key of every cache
+        self.authkey = bytes(authkey)
         self.shutdown_timeout = float(shutdown_timeout)
+        self._closed = False  # shutting down or shut down (changed under the lock)
+        state = self._state = OwnerState()
         self.pool = AllocationPool(state, pool_limit)
         self.leases = LeaseTable(state, self.pool, lease_timeout)
-        self.unmapper = Unmapper(state, self.pool, self.leases, unmap_timeout)
+        self.consumers = Consumers()
+        self.unmapper = Unmapper(state, self.pool, self.leases, self.consumers, unmap_timeout)
         self._ids = itertools.count(1)
         calls: Calls = {Alloc: self.allocate_for_peer, Stats: self.stats, Trim: self.trim, Shutdown: self.shutdown}
-        self.loop = RequestLoop(state, self.leases, self.pool, self.unmapper, calls)
+        self.loop = RequestLoop(
+            state, self.token, self.authkey, self.leases, self.pool, self.unmapper, self.consumers, calls
+        )
         with _owners_lock:
-            _owners[state.token] = self
-
-    @property
-    def token(self) -> bytes:
-        return self._state.token
+            _owners[self.token] = self
 
     @property
     def address(self) -> str:
-        return self._state.address
-
-    @property
-    def authkey(self) -> bytes:
-        return self._state.authkey
+        """The owner's socket (its service's)."""
+        return self.loop.address
 
     # -- allocation ---------------------------------------------------------------------
     def allocate(
@@ -155,9 +159,8 @@ class Owner:
             with self._state.lock:
                 self._drop_owner_ref_locked(record)
         a = record.allocation
-        state = self._state
         desc = Descriptor(
-            chosen.name, state.token, state.address, record.alloc_id, record.generation, lease_id,
+            chosen.name, self.token, self.address, record.alloc_id, record.generation, lease_id,
             a.nbytes, 0, a.device_uuid, handle, dtype, tuple(shape), b"",
         )  # fmt: skip
         return desc.to_bytes()
@@ -168,7 +171,7 @@ class Owner:
         state = self._state
         with state.lock:
             self.leases.catch_up_locked()
-            if state.closed:
+            if self._closed:
                 raise ManagerClosedError("the Manager was shut down; make a new Manager to allocate buffers")
             record = self.pool.take((backend.name, device, nbytes))
         if record is None:
@@ -191,9 +194,8 @@ class Owner:
 
     def _memory(self, record: AllocRecord, source: Any) -> Memory:
         a = record.allocation
-        state = self._state
         return Memory(
-            record.backend, a.ptr, a.nbytes, a.device, a.device_uuid, state.token, state.address,
+            record.backend, a.ptr, a.nbytes, a.device, a.device_uuid, self.token, self.address,
             record.alloc_id, record.generation, a.handle, a.native, source,
         )  # fmt: skip
 
@@ -242,12 +244,12 @@ class Owner:
                 "pooled_buffers": len(pooled),
                 "leases": len(self.leases),
                 "unclaimed_leases": self.leases.unclaimed(),
-                "consumers": len(state.peers),
-                "consumer_pids": sorted(p.pid for p in state.peers.values()),
+                "consumers": len(self.consumers),
+                "consumer_pids": sorted(p.pid for p in self.consumers.all()),
                 "backends": backends,
                 "reused": self.pool.reused,
                 "leaked_buffers": len(self.unmapper.leaked),
-                "closed": state.closed,
+                "closed": self._closed,
             }
 
     def shutdown(
@@ -263,13 +265,16 @@ class Owner:
         state = self._state
         leases = self.leases
         with state.lock:
-            if state.closed:
+            if self._closed:
                 if before_bye is not None:
                     before_bye([])
                 return []
-            state.closed = True
+            # Stop sharing: no new consumer, no new lease, nothing pooled.
+            self._closed = True
+            self.consumers.close_locked()
+            self.pool.close()
             leases.catch_up_locked()
-            leases.drop_quiet_unclaimed_locked()
+            leases.stop_sharing_locked()
             deadline = time.monotonic() + timeout
             while len(leases) and time.monotonic() < deadline:
                 state.cond.wait(min(0.05, max(0.0, deadline - time.monotonic())))
@@ -303,7 +308,7 @@ class Owner:
         if before_bye is not None:
             before_bye(messages)
         with state.lock:
-            peers = list(state.peers.values())
+            peers = self.consumers.all()
         for peer in peers:
             peer.send(Bye("the owning Manager was shut down"))
             try:
@@ -311,9 +316,9 @@ class Owner:
             except OSError:  # its connection closed meanwhile
                 pass
         self.loop.close()
-        state.ready.close()
+        leases.close()
         with _owners_lock:
-            _owners.pop(state.token, None)
+            _owners.pop(self.token, None)
         return messages
 
     def _holder_name(self, lease: Lease) -> str:
@@ -321,7 +326,7 @@ class Owner:
             return "an unclaimed pickle"
         if lease.holder == LOCAL:
             return "this process"
-        peer = self._state.peers.get(lease.holder)
+        peer = self.consumers.get(lease.holder)
         return f"pid {peer.pid}" if peer else "a closed connection"
 
 

@@ -5,11 +5,11 @@
   Buffers reference it, the leases on it and the processes that map it.
 * :class:`Lease` -- one pickling of a buffer: unclaimed until the receiving
   process claims it, then held by that process until released.
-* :class:`Peer` -- one connected consumer process: its channel, its
-  leases and its lease journal.
-* :class:`OwnerState` -- what every part of an :class:`~gpushare._lifetime._owner.Owner`
-  reads and changes, always under ``lock``: the allocation table, the
-  connected peers, whether the owner is closed, and the owner's ready events.
+* :class:`Peer` -- one connected consumer process: its channel and its pid.
+* :class:`Consumers` -- the connected consumers: the service adds and removes
+  them, the other parts ask.
+* :class:`OwnerState` -- the owner's lock, which every part's ``*_locked``
+  methods run under, and the allocation table.
 
 Plain data. A peer's ``send`` takes its channel's send lock, never the
 owner's, so replies never wait for the owner.
@@ -17,15 +17,13 @@ owner's, so replies never wait for the owner.
 
 from __future__ import annotations
 
-import secrets
 import threading
 from typing import Any
 
-from .. import _backends, _journal
+from .. import _backends
 from .._service import Channel
-from ._ready import ReadyEvents
 
-__all__ = ["AllocRecord", "Lease", "OwnerState", "Peer"]
+__all__ = ["AllocRecord", "Consumers", "Lease", "OwnerState", "Peer"]
 
 
 class AllocRecord:
@@ -85,40 +83,71 @@ class Lease:
 
 
 class Peer:
-    """One connected consumer process, as the owner sees it."""
+    """One connected consumer process, as the owner sees it: its channel and its pid."""
 
-    __slots__ = ("channel", "conn_id", "journal", "leases", "pid")
+    __slots__ = ("channel", "conn_id", "pid")
 
     def __init__(self, conn_id: int, channel: Channel) -> None:
         self.conn_id = conn_id
         self.channel = channel
         self.pid = 0
-        self.leases: set[int] = set()
-        self.journal: _journal.JournalReader | None = None  # its lease records (read under the owner lock)
 
     def send(self, message: tuple[Any, ...]) -> bool:
         """Send a message of the lease protocol; False if the connection is gone."""
         return self.channel.try_send(message)
 
     def close(self) -> None:
-        if self.journal is not None:
-            self.journal.close()
         self.channel.close()
 
 
+class Consumers:
+    """The connected consumers, by connection id.
+
+    The service adds each consumer that connects and removes it when it goes; the
+    other parts ask (the unmapper, to talk to the processes that map an allocation;
+    the owner, for statistics and to say Bye). Changed under the owner's lock; ``get``
+    is one dict lookup, safe without it.
+    """
+
+    __slots__ = ("_closed", "_peers")
+
+    def __init__(self) -> None:
+        self._peers: dict[int, Peer] = {}
+        self._closed = False
+
+    def add_locked(self, peer: Peer) -> bool:
+        """Count ``peer`` in; False once the owner stopped taking consumers."""
+        if self._closed:
+            return False
+        self._peers[peer.conn_id] = peer
+        return True
+
+    def remove_locked(self, conn_id: int) -> None:
+        self._peers.pop(conn_id, None)
+
+    def close_locked(self) -> None:
+        """The owner is shutting down: no consumer is added any more."""
+        self._closed = True
+
+    def get(self, conn_id: int) -> Peer | None:
+        return self._peers.get(conn_id)
+
+    def __contains__(self, conn_id: object) -> bool:
+        return conn_id in self._peers
+
+    def __len__(self) -> int:
+        return len(self._peers)
+
+    def all(self) -> list[Peer]:
+        return list(self._peers.values())
+
+
 class OwnerState:
-    """What every part of an Owner shares; each field is read and changed under ``lock``
-    (``cond`` waits on it), except the immutable ``token`` and ``authkey``."""
+    """The owner's lock (``cond`` waits on it) and its allocation table, read and changed under it."""
 
-    __slots__ = ("address", "authkey", "closed", "cond", "lock", "peers", "ready", "records", "token")
+    __slots__ = ("cond", "lock", "records")
 
-    def __init__(self, authkey: bytes) -> None:
-        self.token = secrets.token_bytes(16)  # which Manager: in every descriptor, and the key of every cache
-        self.authkey = bytes(authkey)
-        self.address = ""  # the owner's socket, set once its service listens
+    def __init__(self) -> None:
         self.lock = threading.Lock()
         self.cond = threading.Condition(self.lock)
         self.records: dict[int, AllocRecord] = {}  # live or pooled allocations by id
-        self.peers: dict[int, Peer] = {}  # connected consumers by connection id
-        self.closed = False
-        self.ready = ReadyEvents()  # recorded at each share of a CUDA buffer

@@ -46,7 +46,7 @@ from ._protocol import (
     log,
     warn,
 )
-from ._records import OwnerState, Peer
+from ._records import Consumers, OwnerState, Peer
 from ._unmapper import Unmapper
 
 __all__ = ["HOUSEKEEPING_INTERVAL", "RequestLoop"]
@@ -63,19 +63,29 @@ class RequestLoop:
     """Serving consumers: the socket service, a peer's end, housekeeping."""
 
     def __init__(
-        self, state: OwnerState, leases: LeaseTable, pool: AllocationPool, unmapper: Unmapper, calls: Calls
+        self,
+        state: OwnerState,
+        token: bytes,
+        authkey: bytes,
+        leases: LeaseTable,
+        pool: AllocationPool,
+        unmapper: Unmapper,
+        consumers: Consumers,
+        calls: Calls,
     ) -> None:
         self._state = state
+        self._token = token  # the Hello of a consumer that expects another owner is refused
         self._leases = leases
         self._pool = pool
         self._unmapper = unmapper
+        self._consumers = consumers
         self._calls = calls
         self._conn_ids = itertools.count(1)
         self._stop = threading.Event()
         self._kick = threading.Event()  # housekeeping now: a transient allocation is unused
         pool.kick = self._kick.set
-        self._server = Server("owner", state.authkey, LEASE, self._connect)
-        state.address = self._server.address
+        self._server = Server("owner", authkey, LEASE, self._connect)
+        self.address = self._server.address
         self._housekeeper = threading.Thread(target=self._housekeeping, name="gpushare-owner-housekeeping", daemon=True)
         self._housekeeper.start()
 
@@ -91,21 +101,23 @@ class RequestLoop:
         """A new connection: a peer of this owner, unless the owner is closed."""
         peer = Peer(next(self._conn_ids), channel)
         with self._state.lock:
-            if self._state.closed:
+            if not self._consumers.add_locked(peer):
                 return None
-            self._state.peers[peer.conn_id] = peer
         return _Consumer(self, peer)
 
     def drop_peer(self, peer: Peer) -> None:
         """The peer's connection closed (exit, crash, SIGKILL): release all it held."""
-        leases = self._leases
         with self._state.lock:
-            if peer.journal is not None:
-                leases.read_journal_locked(peer)  # claims it made before it went count, then go
-            self._state.peers.pop(peer.conn_id, None)
-            for lease_id in list(peer.leases):
-                leases.release_locked(lease_id, peer.conn_id)
-            self._unmapper.peer_gone_locked(peer)
+            self._leases.drop_holder_locked(peer.conn_id)
+            self._consumers.remove_locked(peer.conn_id)
+            self._unmapper.peer_gone_locked(peer.conn_id)
+
+    def send_refusals(self) -> None:
+        """Tell consumers which of their journalled claims the lease table refused."""
+        for holder, lease_id, why in self._leases.refusals():
+            peer = self._consumers.get(holder)
+            if peer is not None:
+                peer.send(ClaimFailed(lease_id, why))
 
     # -- housekeeping -------------------------------------------------------------------
     def _housekeeping(self) -> None:
@@ -119,7 +131,7 @@ class RequestLoop:
                 self._leases.catch_up_locked()
                 expired = self._leases.expire_locked()
                 unused = self._pool.to_free()
-            self._leases.send_refusals()
+            self.send_refusals()
             for lease in expired:
                 if lease.quiet:  # a Ray object's, or read through: its expiry is the end of its use
                     log.debug("gpushare: lease %d (quiet) expired", lease.lease_id)
@@ -146,12 +158,10 @@ class _Consumer(Handler):
         self._calls = loop._calls
 
     def on_message(self, message: Any) -> None:
-        peer = self.peer
-        if peer.journal is not None:  # its records come before anything it sends after them
-            with self._state.lock:
-                self._leases.read_journal_locked(peer)
+        with self._state.lock:  # its records come before anything it sends after them
+            self._leases.read_journal_locked(self.peer.conn_id)
         super().on_message(message)
-        self._leases.send_refusals()
+        self._loop.send_refusals()
 
     def on_unknown(self, message: Any) -> None:
         log.warning("gpushare: ignoring unknown message %.200r from pid %s", message, self.peer.pid)
@@ -165,13 +175,12 @@ class _Consumer(Handler):
         peer = self.peer
         peer.pid = int(message.pid)
         journal_fd = message.journal_fd
-        state = self._state
-        if message.token != state.token:
+        if message.token != self._loop._token:
             if journal_fd is not None:
                 os.close(journal_fd)
             peer.send(
                 Refused(
-                    f"this buffer's descriptor names another Manager than the one serving {state.address} "
+                    f"this buffer's descriptor names another Manager than the one serving {self._loop.address} "
                     "(the bytes were altered, or mixed up between Managers); send the buffer again"
                 )
             )
@@ -179,8 +188,8 @@ class _Consumer(Handler):
             return
         if journal_fd is not None:
             journal = _journal.JournalReader(journal_fd)
-            with state.lock:
-                peer.journal = journal
+            with self._state.lock:
+                self._leases.add_journal_locked(peer.conn_id, journal)
 
     @handles(Batch)
     def _batch(self, message: Batch) -> None:
@@ -230,9 +239,8 @@ class _Consumer(Handler):
         """The fd-based backends' allocation (or pool) fd, only for an allocation the peer holds a lease on."""
         peer, req, alloc_id = self.peer, message.req, message.alloc
         with self._state.lock:
-            record = self._state.records.get(alloc_id)
-            held = record is not None and self._leases.holds_locked(peer, record)
-        if record is None or not held:
+            record = self._leases.held_record_locked(peer.conn_id, alloc_id)
+        if record is None:
             peer.send(Err(req, f"allocation {alloc_id} is not leased to this process"))
             return
         try:
@@ -245,7 +253,7 @@ class _Consumer(Handler):
     @handles(Unmapped)
     def _unmapped(self, message: Unmapped) -> None:
         with self._state.lock:
-            self._unmapper.answered_locked(self.peer, message.alloc, message.ok)
+            self._unmapper.answered_locked(self.peer.conn_id, message.alloc, message.ok)
 
     @handles(Drain)
     def _drain(self, message: Drain) -> None:

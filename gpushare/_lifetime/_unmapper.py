@@ -18,7 +18,7 @@ from .._errors import LeakWarning
 from ._alloc_pool import AllocationPool
 from ._lease_table import LeaseTable
 from ._protocol import Unmap, warn
-from ._records import AllocRecord, OwnerState, Peer
+from ._records import AllocRecord, Consumers, OwnerState
 
 __all__ = ["Unmapper"]
 
@@ -26,10 +26,13 @@ __all__ = ["Unmapper"]
 class Unmapper:
     """The unmap protocol and the freeing it guards; ``leaked`` lists what it would not free."""
 
-    def __init__(self, state: OwnerState, pool: AllocationPool, leases: LeaseTable, timeout: float) -> None:
+    def __init__(
+        self, state: OwnerState, pool: AllocationPool, leases: LeaseTable, consumers: Consumers, timeout: float
+    ) -> None:
         self._state = state
         self._pool = pool
         self._leases = leases
+        self._consumers = consumers  # asked who is connected, and how to reach them
         self.timeout = float(timeout)
         self._waits: dict[int, dict[int, bool | None]] = {}  # alloc id -> {conn id: answer}
         self.leaked: list[AllocRecord] = []
@@ -41,10 +44,11 @@ class Unmapper:
         within ``timeout`` makes the allocation leak: it is never freed.
         """
         state = self._state
+        consumers = self._consumers
         with state.lock:
-            waits: dict[int, bool | None] = {c: (None if c in state.peers else True) for c in record.mappers}
+            waits: dict[int, bool | None] = {c: (None if c in consumers else True) for c in record.mappers}
             self._waits[record.alloc_id] = waits
-            peers = [state.peers[c] for c in record.mappers if c in state.peers]
+            peers = [peer for c in record.mappers if (peer := consumers.get(c)) is not None]
         for peer in peers:
             if not peer.send(Unmap(record.alloc_id)):
                 with state.lock:
@@ -58,7 +62,7 @@ class Unmapper:
             if not refused:
                 return True
             self.leaked.append(record)
-            pids = [state.peers[c].pid for c in refused if c in state.peers]
+            pids = [peer.pid for c in refused if (peer := consumers.get(c)) is not None]
         warn(
             f"gpushare: allocation {record.alloc_id} ({record.label}) is still mapped by process(es) "
             f"{pids or refused}, which did not unmap it within {self.timeout:g} s; it is leaked "
@@ -67,24 +71,24 @@ class Unmapper:
         )
         return False
 
-    def answered_locked(self, peer: Peer, alloc_id: int, ok: bool) -> None:
-        """``peer`` answered an unmap request for ``alloc_id``."""
+    def answered_locked(self, conn_id: int, alloc_id: int, ok: bool) -> None:
+        """Consumer ``conn_id`` answered an unmap request for ``alloc_id``."""
         waits = self._waits.get(alloc_id)
-        if waits is not None and peer.conn_id in waits:
-            waits[peer.conn_id] = bool(ok)
+        if waits is not None and conn_id in waits:
+            waits[conn_id] = bool(ok)
         if ok:
             record = self._state.records.get(alloc_id)
             if record is not None:
-                record.mappers.discard(peer.conn_id)
+                record.mappers.discard(conn_id)
         self._state.cond.notify_all()
 
-    def peer_gone_locked(self, peer: Peer) -> None:
-        """``peer``'s connection closed: its mappings died with it."""
+    def peer_gone_locked(self, conn_id: int) -> None:
+        """Consumer ``conn_id``'s connection closed: its mappings died with it."""
         for record in self._state.records.values():
-            record.mappers.discard(peer.conn_id)
+            record.mappers.discard(conn_id)
         for waits in self._waits.values():
-            if peer.conn_id in waits:
-                waits[peer.conn_id] = True
+            if conn_id in waits:
+                waits[conn_id] = True
         self._state.cond.notify_all()
 
     def free_locked(self, record: AllocRecord) -> None:
