@@ -32,13 +32,12 @@ OWNER_SIDE = {
     "gpushare._lifetime._request_loop",
     "gpushare._lifetime._unmapper",
     "gpushare._lifetime._lease_table",
-    "gpushare._lifetime._alloc_pool",
     "gpushare._lifetime._records",
     "gpushare._manager_server",
     "gpushare._manager",
 }
 #: The most gpushare modules a fresh child loads to get and read one host buffer.
-HOST_LIMIT = 19
+HOST_LIMIT = 17
 #: The same with a CUDA buffer: the host figure, less the host backend, plus the CUDA layer
 #: (its package and five modules), the CUDA backend with its shared base, and the ready events.
 CUDA_LIMIT = HOST_LIMIT - 1 + 6 + 2 + 1

@@ -12,15 +12,16 @@ import pytest
 from conftest import wait_until
 
 import gpushare as mp
-from gpushare import _journal, _lifetime
+from gpushare import _lifetime
+from gpushare._lifetime import _protocol
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="needs memfd_create (Linux)")
 
 
-def pair() -> tuple[_journal.JournalWriter, _journal.JournalReader]:
-    writer = _journal.JournalWriter()
+def pair() -> tuple[_protocol.JournalWriter, _protocol.JournalReader]:
+    writer = _protocol.JournalWriter()
     assert writer.fd is not None
-    reader = _journal.JournalReader(os.dup(writer.fd))
+    reader = _protocol.JournalReader(os.dup(writer.fd))
     writer.close_fd()
     return writer, reader
 
@@ -30,10 +31,10 @@ def test_records_come_back_in_order_across_many_laps() -> None:
     expected: list[tuple[int, int]] = []
     got: list[tuple[int, int]] = []
     lease = 1
-    for burst in (1, 7, _journal.CAPACITY - 1, _journal.CAPACITY, 3, _journal.CAPACITY, 1000):
+    for burst in (1, 7, _protocol.CAPACITY - 1, _protocol.CAPACITY, 3, _protocol.CAPACITY, 1000):
         for _ in range(burst):
             kind = lease % 2
-            assert writer.unconsumed() < _journal.CAPACITY
+            assert writer.unconsumed() < _protocol.CAPACITY
             writer.append(kind, lease)
             expected.append((kind, lease))
             lease += 1
@@ -47,12 +48,12 @@ def test_records_come_back_in_order_across_many_laps() -> None:
 
 def test_a_full_journal_says_so_and_frees_room_as_it_is_read() -> None:
     writer, reader = pair()
-    for i in range(_journal.CAPACITY):
+    for i in range(_protocol.CAPACITY):
         assert not writer.full()
-        writer.append(_journal.CLAIM, i + 1)
-    assert writer.unconsumed() == _journal.CAPACITY
+        writer.append(_protocol.CLAIM, i + 1)
+    assert writer.unconsumed() == _protocol.CAPACITY
     assert writer.full() and writer.full()  # still full: the owner has read nothing
-    assert len(reader.read()) == _journal.CAPACITY
+    assert len(reader.read()) == _protocol.CAPACITY
     assert writer.unconsumed() == 0
     assert not writer.full()  # the owner's new tail is read once the known room is used up
     writer.close()
@@ -61,28 +62,28 @@ def test_a_full_journal_says_so_and_frees_room_as_it_is_read() -> None:
 
 def test_an_incomplete_record_is_not_consumed_until_it_is_whole() -> None:
     writer, reader = pair()
-    writer.append(_journal.CLAIM, 5)
-    writer.append(_journal.RELEASE, 5)
+    writer.append(_protocol.CLAIM, 5)
+    writer.append(_protocol.RELEASE, 5)
     # Damage the second record's check, as if its write had not landed yet.
     mm = writer._mm
     offset = 64 + 16 * 1 + 8
     good = mm[offset : offset + 8]
     mm[offset : offset + 8] = b"\0" * 8
-    assert reader.read() == [(_journal.CLAIM, 5)]
+    assert reader.read() == [(_protocol.CLAIM, 5)]
     assert reader.read() == []
     mm[offset : offset + 8] = good
-    assert reader.read() == [(_journal.RELEASE, 5)]
+    assert reader.read() == [(_protocol.RELEASE, 5)]
     writer.close()
     reader.close()
 
 
 def test_a_stale_record_from_the_previous_lap_is_not_consumed() -> None:
     writer, reader = pair()
-    writer.append(_journal.CLAIM, 9)
-    assert reader.read() == [(_journal.CLAIM, 9)]
+    writer.append(_protocol.CLAIM, 9)
+    assert reader.read() == [(_protocol.CLAIM, 9)]
     # Record 0 is still in slot 0; read as record CAPACITY it must not match.
-    struct.pack_into("<Q", writer._mm, 0, _journal.CAPACITY)
-    reader._tail = _journal.CAPACITY
+    struct.pack_into("<Q", writer._mm, 0, _protocol.CAPACITY)
+    reader._tail = _protocol.CAPACITY
     assert reader.read() == []
     writer.close()
     reader.close()
@@ -91,32 +92,32 @@ def test_a_stale_record_from_the_previous_lap_is_not_consumed() -> None:
 def test_the_stamp_bounds_the_module_docstring_relies_on() -> None:
     # Subtracting CAPACITY * K modulo 2**64 adds a number in [2**60, 2**61): a value
     # torn from its check must then differ from the old one by at least 2**60.
-    step = (1 << 64) - (_journal.CAPACITY * _journal._K) % (1 << 64)
+    step = (1 << 64) - (_protocol.CAPACITY * _protocol._K) % (1 << 64)
     assert 1 << 60 <= step < 1 << 61
     # No stamp of the first lap is small: zeros, or a new value beside a zero check, never pass.
-    assert min(_journal.stamp(n) for n in range(_journal.CAPACITY)) >= 1 << 49
+    assert min(_protocol.stamp(n) for n in range(_protocol.CAPACITY)) >= 1 << 49
 
 
 def test_a_new_value_beside_the_previous_laps_check_is_not_consumed() -> None:
     writer, reader = pair()
-    for lease in range(1, _journal.CAPACITY + 1):
-        writer.append(_journal.CLAIM, lease)
-    assert len(reader.read()) == _journal.CAPACITY
+    for lease in range(1, _protocol.CAPACITY + 1):
+        writer.append(_protocol.CLAIM, lease)
+    assert len(reader.read()) == _protocol.CAPACITY
     # Record CAPACITY goes in slot 0: its value lands, its check not yet (the old one stays).
-    struct.pack_into("<Q", writer._mm, 64, _journal.RELEASE | 1 << 1)
+    struct.pack_into("<Q", writer._mm, 64, _protocol.RELEASE | 1 << 1)
     assert reader.read() == []
     # The old value beside the new check passes only if both values are equal.
-    writer.append(_journal.RELEASE, 1)
-    assert reader.read() == [(_journal.RELEASE, 1)]
+    writer.append(_protocol.RELEASE, 1)
+    assert reader.read() == [(_protocol.RELEASE, 1)]
     writer.close()
     reader.close()
 
 
 def test_reads_cross_the_end_of_the_ring_and_chunks_in_one_call() -> None:
     writer, reader = pair()
-    for lease in range(1, _journal.CAPACITY - 100):
-        writer.append(_journal.CLAIM, lease)
-    assert len(reader.read()) == _journal.CAPACITY - 101
+    for lease in range(1, _protocol.CAPACITY - 100):
+        writer.append(_protocol.CLAIM, lease)
+    assert len(reader.read()) == _protocol.CAPACITY - 101
     expected = [(lease % 2, lease) for lease in range(1, 1001)]  # 1000 records: past the end, several chunks
     for kind, lease in expected:
         writer.append(kind, lease)
@@ -129,14 +130,14 @@ def test_the_owner_refuses_a_journal_of_the_wrong_size() -> None:
     fd = os.memfd_create("not-a-journal")
     os.ftruncate(fd, 4096)
     with pytest.raises(ValueError, match="wrong size"):
-        _journal.JournalReader(fd)
+        _protocol.JournalReader(fd)
 
 
 # -- real consumers --------------------------------------------------------------------
 
 
 def claim_all_then_release(data, results, journal) -> None:
-    _journal.ENABLED = journal
+    _protocol.JOURNAL_ENABLED = journal
     bufs = [pickle.loads(d) for d in data]  # every one a claim record
     total = sum(float(b.numpy()[0]) for b in bufs)
     results.put(("claimed", len(bufs), total))

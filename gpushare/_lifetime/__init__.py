@@ -35,7 +35,7 @@ Consumer side (:class:`Link`, one per owner per process)
   accepted (a refusal unmaps it and raises). The owner then counts this
   process among the allocation's mappers.
 * Claims of allocations this process already maps, and all releases, are
-  records in a shared-memory lease journal (:mod:`gpushare._journal`) that
+  records in a shared-memory lease journal (:mod:`._protocol`) that
   the owner reads when it needs to: a steady-state handoff sends no
   message and wakes no thread. A release may run inside the garbage
   collector, so recording never blocks: what cannot be written at once
@@ -51,13 +51,14 @@ Consumer side (:class:`Link`, one per owner per process)
   raises :class:`OwnerGoneError` when touched.
 
 The messages both sides exchange are :mod:`._protocol`'s (``LEASE``: one
-NamedTuple per message, on :mod:`gpushare._service`'s message layer).
+NamedTuple per message, on :mod:`gpushare._service`'s message layer), and so is the
+journal's format: the records stand in for messages.
 
 Where each part lives. Both sides are objects composed of parts, each with
 its own state and methods (no part is a base class of another):
 
 * owner side: :class:`Owner` (``_owner``: allocation, the owner's own
-  references, stats, shutdown) holds a :class:`~._alloc_pool.AllocationPool`,
+  references, stats, shutdown) holds an :class:`~._records.AllocationPool`,
   a :class:`~._lease_table.LeaseTable` (leases, the journals, deferred
   finalizer work), an :class:`~._unmapper.Unmapper` (the unmap protocol and
   freeing) and a :class:`~._request_loop.RequestLoop` (the socket service and
@@ -65,11 +66,11 @@ its own state and methods (no part is a base class of another):
   :class:`~._records.Consumers`; each part owns its facts and asks the others
   for theirs, under one lock (:class:`~._records.OwnerState`, which still
   holds the allocation table); ``_records`` holds the allocation, lease and
-  peer records;
+  peer records, the allocation table and the pool;
 * consumer side: :class:`Link` (``_link``: attaching descriptors, the mapping
   cache, closing, requests; the handler of its :class:`~gpushare._service.Client`)
-  holds a :class:`~._recorder.LeaseRecorder` (lease records, the writer thread);
-* both: ``_protocol`` (the messages, constants, warnings) and ``_ready`` (ready events).
+  holds a :class:`~._link.LeaseRecorder` (lease records, the writer thread), in the same module;
+* both: ``_protocol`` (the messages, the journal, constants, warnings) and ``_ready`` (ready events).
 
 The service hands out :class:`~gpushare._memory.Memory` references; the layer above
 (:mod:`gpushare._buffer`, the Manager) wraps them in Buffers.

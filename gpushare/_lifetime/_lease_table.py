@@ -26,12 +26,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .. import _journal
 from .._errors import DescriptorError, ManagerClosedError
-from ._alloc_pool import AllocationPool
-from ._protocol import LOCAL, RELEASE
+from ._protocol import LOCAL, RELEASE, JournalReader
 from ._ready import ReadyEvents
-from ._records import AllocRecord, Lease, OwnerState
+from ._records import AllocationPool, AllocRecord, Lease, OwnerState
 
 __all__ = ["LeaseTable", "check_alive"]
 
@@ -54,7 +52,7 @@ class LeaseTable:
         self.timeout = float(lease_timeout)
         self._leases: dict[int, Lease] = {}
         self._held: dict[int, set[int]] = {}  # connection id -> the lease ids it holds
-        self._journals: dict[int, _journal.JournalReader] = {}  # connection id -> its lease records
+        self._journals: dict[int, JournalReader] = {}  # connection id -> its lease records
         self._ids = itertools.count(1)
         self._pending: queue.SimpleQueue[tuple[Callable[..., None], tuple[Any, ...]]] = queue.SimpleQueue()
         self._refusals: queue.SimpleQueue[tuple[int, int, str]] = queue.SimpleQueue()
@@ -89,7 +87,7 @@ class LeaseTable:
         for holder in self._journals:
             self.read_journal_locked(holder)
 
-    def add_journal_locked(self, holder: int, journal: _journal.JournalReader) -> None:
+    def add_journal_locked(self, holder: int, journal: JournalReader) -> None:
         """Consumer ``holder``'s lease journal, read from now on (it came with its Hello)."""
         self._journals[holder] = journal
 

@@ -4,7 +4,7 @@ An :class:`Owner` is composed of parts, each an object that owns its facts
 and asks the others for theirs, all under one lock (:class:`~._records.OwnerState`,
 which also holds the allocation table):
 
-* ``pool`` (:class:`~._alloc_pool.AllocationPool`): unreferenced allocations
+* ``pool`` (:class:`~._records.AllocationPool`): unreferenced allocations
   by size class, handed out again;
 * ``leases`` (:class:`~._lease_table.LeaseTable`): taking, claiming and
   releasing leases, who holds which, the consumers' journals, the ready
@@ -37,10 +37,9 @@ from .. import _backends
 from .._descriptor import Descriptor
 from .._errors import LeakWarning, ManagerClosedError
 from .._memory import Memory
-from ._alloc_pool import AllocationPool
 from ._lease_table import LeaseTable, check_alive
 from ._protocol import LOCAL, Alloc, Bye, Shutdown, Stats, Trim, owner_for, owners, warn
-from ._records import AllocRecord, Consumers, Lease, OwnerState
+from ._records import AllocationPool, AllocRecord, Consumers, Lease, OwnerState
 from ._request_loop import Calls, RequestLoop
 from ._unmapper import Unmapper
 

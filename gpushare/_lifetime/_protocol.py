@@ -1,10 +1,25 @@
-"""What both sides of the lifetime service agree on: its messages, record kinds, holder ids, timeouts.
+"""The lease service's wire: what both sides agree on.
 
-:data:`LEASE` is the service's protocol (:mod:`gpushare._service`): each message below is
-a NamedTuple whose fields, in order, are its wire format. A request's first field is
-``req``; the owner answers it with ``Ok``, ``OkFd`` or ``Err`` carrying the same ``req``.
+Messages. :data:`LEASE` is the service's protocol (:mod:`gpushare._service`): each message
+below is a NamedTuple whose fields, in order, are its wire format. A request's first field
+is ``req``; the owner answers it with ``Ok``, ``OkFd`` or ``Err`` carrying the same ``req``.
 The owner reads a consumer's journal before it handles any message from it, so records
 always count before whatever the consumer sent after them.
+
+The lease journal: a consumer link's claims and releases, in shared memory (``memfd``).
+
+- The consumer (:class:`JournalWriter`) appends one record per claim or release, in order;
+  the fd goes to the owner once, by SCM_RIGHTS, right after the link's ``Hello``.
+- The owner (:class:`JournalReader`) reads the records whenever it needs current lease
+  state, and alone writes ``tail``.
+- Layout (little-endian): ``u64 tail`` at 0; from 64, ``CAPACITY`` records
+  ``u64 value | u64 check``, ``value = lease_id << 1 | kind``, ``check = value ^ stamp(n)``.
+- A record counts once its check matches its sequence number: no head counter, no barrier.
+  Why that is safe, and back-pressure: docs/design.md, "The lease journal".
+
+Both are here, beside the holder ids and timeouts, because they are one protocol: the
+journal carries what would otherwise be ``Claim`` and ``Batch`` messages, and a link
+without it sends those instead.
 
 This module also holds the one way either side warns from a thread, and this process's
 Owners by token: the owner side registers each Owner here, and the consumer side looks
@@ -15,17 +30,22 @@ side does not import the owner side.
 from __future__ import annotations
 
 import logging
+import mmap
+import os
+import struct
 import warnings
 from typing import Any, NamedTuple
 
-from .. import _journal
 from .._service import Err, Ok, OkFd, Protocol, carries_fds
 
 __all__ = [
+    "CAPACITY",
     "CLAIM",
+    "JOURNAL_ENABLED",
     "LEASE",
     "LOCAL",
     "NUDGE",
+    "NUDGE_AT",
     "RELEASE",
     "REQUEST_TIMEOUT",
     "RETIRE",
@@ -37,6 +57,8 @@ __all__ = [
     "Drain",
     "ExportFd",
     "Hello",
+    "JournalReader",
+    "JournalWriter",
     "LeaseVia",
     "Refused",
     "Shutdown",
@@ -44,9 +66,11 @@ __all__ = [
     "Trim",
     "Unmap",
     "Unmapped",
+    "create_writer",
     "log",
     "owner_for",
     "owners",
+    "stamp",
     "warn",
 ]
 
@@ -54,8 +78,8 @@ log = logging.getLogger("gpushare")
 
 #: Holder id of a lease claimed inside the owner's own process (a buffer unpickled where it was made).
 LOCAL = 0
-#: The kinds of a consumer's lease records (the journal's own constants).
-CLAIM, RELEASE = _journal.CLAIM, _journal.RELEASE
+#: The kinds of a consumer's lease records (a journal record's low bit, a ``Batch``'s two lists).
+CLAIM, RELEASE = 0, 1
 #: Signals to a consumer's record writer thread besides "records are waiting" (1) and "stop" (None):
 NUDGE = -1  # tell the owner to read this consumer's journal
 RETIRE = -2  # the owner is gone and nothing here uses it any more: close the link
@@ -200,3 +224,130 @@ LEASE = Protocol(
     to_server=(Hello, Claim, Drain, Batch, LeaseVia, ExportFd, Unmapped, Alloc, Stats, Trim, Shutdown),
     to_client=(Ok, OkFd, Err, ClaimFailed, Refused, Unmap, Bye),
 )
+
+
+# -- the lease journal ---------------------------------------------------------------------------
+CAPACITY = 8192  # records: 128 KiB of shared memory per consumer link
+NUDGE_AT = CAPACITY // 4
+JOURNAL_ENABLED = True  # a link made while False uses socket messages (the fallback path; tests turn it off)
+
+_TAIL = struct.Struct("<Q")
+_RECORD = struct.Struct("<QQ")
+_RECORDS_AT = 64
+_STRIDE = _RECORD.size
+_SIZE = _RECORDS_AT + CAPACITY * _STRIDE
+_MASK = (1 << 64) - 1
+
+
+# stamp(n) = (n * _K ^ _SALT) & _MASK (see this module's docstring); written out where records are.
+_K = 0x9E3779B97F4A7C15  # odd; 2**64 - CAPACITY * _K mod 2**64 lies in [2**60, 2**61)
+_SALT = 0x6770757368617265  # so that no stamp of the first lap is 0 or small
+_CHUNK = 256  # records the owner copies out of the mapping at a time
+
+
+def stamp(seq: int) -> int:
+    """What record ``seq``'s check is XORed with (see this module's docstring)."""
+    return (seq * _K ^ _SALT) & _MASK
+
+
+class JournalWriter:
+    """The consumer's end. Not thread-safe: the caller serialises appends."""
+
+    def __init__(self) -> None:
+        fd = os.memfd_create("gpushare-leases", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, _SIZE)
+            self._mm = mmap.mmap(fd, _SIZE)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.fd: int | None = fd  # sent to the owner once, then closed (the mapping stays)
+        self.head = 0  # records written
+        self._limit = CAPACITY  # head may grow to this without reading the owner's tail again
+
+    def unconsumed(self) -> int:
+        """Records written and not yet consumed by the owner."""
+        return self.head - _TAIL.unpack_from(self._mm, 0)[0]
+
+    def full(self) -> bool:
+        """Whether no record can be written now. Reads the owner's ``tail`` only when the
+        room known from its last reading is used up (one shared-memory read saved per record)."""
+        if self.head < self._limit:
+            return False
+        self._limit = _TAIL.unpack_from(self._mm, 0)[0] + CAPACITY
+        return self.head >= self._limit
+
+    def try_append(self, kind: int, lease_id: int) -> bool:
+        """``append`` if not ``full()``, in one call (the consumer's hot path); False if full."""
+        n = self.head
+        if n >= self._limit and self.full():
+            return False
+        value = lease_id << 1 | kind
+        _RECORD.pack_into(self._mm, _RECORDS_AT + (n % CAPACITY) * _STRIDE, value, value ^ ((n * _K ^ _SALT) & _MASK))
+        self.head = n + 1
+        return True
+
+    def append(self, kind: int, lease_id: int) -> None:
+        """Write one record. The caller checked ``not full()``."""
+        if not self.try_append(kind, lease_id):
+            raise RuntimeError("the lease journal is full: check full() before append()")
+
+    def close_fd(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def close(self) -> None:
+        self.close_fd()
+        self._mm.close()
+
+
+class JournalReader:
+    """The owner's end. Not thread-safe: the owner reads under its lock."""
+
+    def __init__(self, fd: int) -> None:
+        try:
+            if os.fstat(fd).st_size != _SIZE:
+                raise ValueError("the consumer's lease journal has the wrong size")
+            self._mm = mmap.mmap(fd, _SIZE)
+        finally:
+            os.close(fd)
+        self._tail = _TAIL.unpack_from(self._mm, 0)[0]
+
+    def read(self) -> list[tuple[int, int]]:
+        """Consume every complete record: ``[(kind, lease_id), ...]`` in order.
+
+        Records are copied out ``_CHUNK`` at a time (never past the end of the
+        ring) and checked in one pass over each copy."""
+        out: list[tuple[int, int]] = []
+        append = out.append
+        n = start = self._tail
+        mm = self._mm
+        end = n + CAPACITY
+        while n < end:
+            at = n % CAPACITY
+            count = min(_CHUNK, CAPACITY - at, end - n)
+            first = _RECORDS_AT + at * _STRIDE
+            for value, check in _RECORD.iter_unpack(mm[first : first + count * _STRIDE]):
+                if check != value ^ ((n * _K ^ _SALT) & _MASK):
+                    end = n  # not written yet: stop here
+                    break
+                append((value & 1, value >> 1))
+                n += 1
+        if n != start:
+            self._tail = n
+            _TAIL.pack_into(mm, 0, n)
+        return out
+
+    def close(self) -> None:
+        self._mm.close()
+
+
+def create_writer() -> JournalWriter | None:
+    """A new journal, or None where shared-memory files are unavailable (use messages)."""
+    if not JOURNAL_ENABLED or not hasattr(os, "memfd_create"):
+        return None
+    try:
+        return JournalWriter()
+    except OSError:
+        return None

@@ -23,10 +23,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from .. import _journal
 from .._errors import DescriptorError, GpushareError, LeaseExpiredWarning, ManagerClosedError
 from .._service import Channel, Err, Handler, Ok, OkFd, Server, handles
-from ._alloc_pool import AllocationPool
 from ._lease_table import LeaseTable
 from ._protocol import (
     LEASE,
@@ -37,6 +35,7 @@ from ._protocol import (
     Drain,
     ExportFd,
     Hello,
+    JournalReader,
     LeaseVia,
     Refused,
     Shutdown,
@@ -46,7 +45,7 @@ from ._protocol import (
     log,
     warn,
 )
-from ._records import Consumers, OwnerState, Peer
+from ._records import AllocationPool, Consumers, OwnerState, Peer
 from ._unmapper import Unmapper
 
 __all__ = ["HOUSEKEEPING_INTERVAL", "RequestLoop"]
@@ -187,7 +186,7 @@ class _Consumer(Handler):
             peer.channel.shutdown()
             return
         if journal_fd is not None:
-            journal = _journal.JournalReader(journal_fd)
+            journal = JournalReader(journal_fd)
             with self._state.lock:
                 self._leases.add_journal_locked(peer.conn_id, journal)
 

@@ -15,10 +15,9 @@ import time
 from collections.abc import Callable
 
 from .._errors import LeakWarning
-from ._alloc_pool import AllocationPool
 from ._lease_table import LeaseTable
 from ._protocol import Unmap, warn
-from ._records import AllocRecord, Consumers, OwnerState
+from ._records import AllocationPool, AllocRecord, Consumers, OwnerState
 
 __all__ = ["Unmapper"]
 
