@@ -18,16 +18,6 @@ is already mapped here) an arrival costs one journal record and no message:
 the owner already counts this process among the allocation's mappers and
 cannot free it without asking. A first arrival sends its claim and maps the
 memory while the owner answers.
-
-Lease records. Releases run inside the garbage collector, on any thread:
-:meth:`LeaseRecorder.note` only ever *tries* its lock (the link's lock, which guards
-the journal too: one lock per record instead of two), writes the record straight
-into the journal when it can, and otherwise appends it to a backlog that the
-writer thread moves into the journal in order, nudging the owner (``Drain``) when
-the journal fills. Without a journal the backlog goes as ``Batch`` messages. A
-release is *accounted* in the link (the lease no longer holds its mapping:
-``unhold``) before its record is written, so an owner that has read the release
-and asks this process to unmap finds the mapping unused.
 """
 
 from __future__ import annotations
@@ -85,7 +75,18 @@ _DRAIN = Drain()
 
 
 class LeaseRecorder:
-    """The lease journal's writer side: ``note``, the backlog and the writer thread."""
+    """The lease journal's writer side: ``note``, the backlog and the writer thread.
+
+    Releases run inside the garbage collector, on any thread: :meth:`note` only ever
+    *tries* its lock (the link's lock, which guards the journal too: one lock per
+    record instead of two), writes the record straight into the journal when it can,
+    and otherwise appends it to a backlog that the writer thread moves into the
+    journal in order, nudging the owner (``Drain``) when the journal fills. Without a
+    journal the backlog goes as ``Batch`` messages. A release is *accounted* in the
+    link (the lease no longer holds its mapping: ``unhold``) before its record is
+    written, so an owner that has read the release and asks this process to unmap
+    finds the mapping unused.
+    """
 
     def __init__(
         self,

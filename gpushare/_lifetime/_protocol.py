@@ -17,14 +17,12 @@ The lease journal: a consumer link's claims and releases, in shared memory (``me
 - A record counts once its check matches its sequence number: no head counter, no barrier.
   Why that is safe, and back-pressure: docs/design.md, "The lease journal".
 
-Both are here, beside the holder ids and timeouts, because they are one protocol: the
-journal carries what would otherwise be ``Claim`` and ``Batch`` messages, and a link
-without it sends those instead.
+The two are one protocol: a link without a journal sends the same records as ``Batch``
+messages, and the owner counts both alike.
 
-This module also holds the one way either side warns from a thread, and this process's
-Owners by token: the owner side registers each Owner here, and the consumer side looks
-here first (a buffer unpickled in its owner's process needs no link), so the consumer
-side does not import the owner side.
+Also here: the one way either side warns from a thread, and this process's Owners by
+token (the owner side registers each Owner; the consumer side looks here first, so it
+does not import the owner side).
 """
 
 from __future__ import annotations
