@@ -2,8 +2,9 @@
 
 A *version* is a publication's number (1, 2, ...); the set keeps its latest
 ones in its slots (``versions=`` of them). One thread per reader (readers are
-engines: few) answers its takes under the slots' lock, recording each grant as
-held before it answers, so the trainer always knows who holds what. A grant's
+engines: few), the registry's Server's, runs its :class:`_ReaderService`: it
+answers the reader's takes under the slots' lock, recording each grant as held
+before it answers, so the trainer always knows who holds what. A grant's
 id is the stamp its release word carries. Locks (the slots'): ``io`` serializes
 the trainer's threads that wait for a slot to write; ``lock`` guards the rest,
 and driver calls on readers' events, so that none is destroyed under a wait.
