@@ -453,7 +453,7 @@ def register(
         conn.send(Hello(os.getpid(), id(end)))
         reply = expect(conn, SlotBuffers, Closed)  # maps every slot (claims one lease each)
         if type(reply) is Closed:
-            return reply  # type: ignore[no-any-return]
+            return reply
         end.buffers = list(reply.buffers)
         end.lent = [False] * len(end.buffers)
         end.release_fd = reply.release_fd
@@ -470,7 +470,7 @@ def register(
         conn.send(Ready(_events(end, reply.handles, kind, pid == os.getpid(), address)))
         done = expect(conn, Registered, Closed)
         if type(done) is Closed:  # closed while this reader registered
-            return done  # type: ignore[no-any-return]
+            return done
         socket_timeouts(conn.fileno(), 0, 0)
     except AuthenticationError as exc:
         raise OwnerGoneError(

@@ -211,7 +211,7 @@ class TensorSetReader(TensorSetInfo):
             reply = self._answer(core, conn, timeout)
             answer = _Answer(self, core, newer_than, pinned)
             del pinned
-            return answer.on_message(reply)  # type: ignore[no-any-return]
+            return answer.on_message(reply)
 
     def _answer(self, core: _ReaderCore, conn: Any, timeout: float | None) -> Any:
         try:
