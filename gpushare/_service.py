@@ -255,14 +255,14 @@ class Handler:
     def on_connect(self) -> None:
         """The connection is authenticated; nothing was received yet."""
 
-    def on_message(self, message: Any) -> None:
+    def on_message(self, message: Any) -> Any:
+        """Handle ``message``; what its method (or :meth:`on_unknown`) returns."""
         method = self._dispatch.get(type(message))
         if method is None:
-            self.on_unknown(message)
-        else:
-            method(self, message)
+            return self.on_unknown(message)
+        return method(self, message)
 
-    def on_unknown(self, message: Any) -> None:
+    def on_unknown(self, message: Any) -> Any:
         log.warning("gpushare: ignoring a message this end does not handle: %.200r", message)
 
     def on_close(self) -> None:

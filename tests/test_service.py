@@ -1,13 +1,15 @@
-"""The message layer of the socket services (gpushare._service), and the lease protocol's table.
+"""The message layer of the socket services (gpushare._service), and the protocols' tables.
 
 Messages go through real sockets: a socketpair for one Channel's frames and fds, and a
 Server with a Client for the accept-and-serve loop, the handlers and requests. The last
-test checks that docs/design.md's table of the lease service's messages is the code's.
+tests check that docs/design.md's tables of the lease service's and the fan-out's messages
+are the code's.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import socket
 import threading
 from multiprocessing import AuthenticationError, connection
@@ -16,6 +18,7 @@ from typing import Any, NamedTuple
 
 import pytest
 
+from gpushare._fanout import _registry
 from gpushare._lifetime import _protocol
 from gpushare._service import (
     Channel,
@@ -346,15 +349,15 @@ def test_a_client_with_the_wrong_authkey_is_refused() -> None:
         server.close()
 
 
-# -- the lease protocol, as docs/design.md lists it -----------------------------------------------
+# -- the protocols, as docs/design.md lists them --------------------------------------------------
 
 
-def message_rows() -> list[str]:
-    """The rows the table of lease messages must start with: message, direction, fields."""
+def message_rows(protocol: Protocol, client: str, server: str) -> list[str]:
+    """The rows a table of ``protocol``'s messages must start with: message, direction, fields."""
     rows = []
     for classes, direction in (
-        (_protocol.LEASE.to_server, "consumer → owner"),
-        (_protocol.LEASE.to_client, "owner → consumer"),
+        (protocol.to_server, f"{client} → {server}"),
+        (protocol.to_client, f"{server} → {client}"),
     ):
         for cls in classes:
             fds = {cls._fields[i] for i in _fd_positions(cls)}
@@ -373,9 +376,23 @@ def test_design_md_lists_every_lease_message_as_the_code_defines_it() -> None:
     text = DESIGN.read_text(encoding="utf-8")
     section = text.split("\n### Messages\n", 1)[1].split("\n## ", 1)[0]
     table = [line for line in section.splitlines() if line.startswith("| `")]
-    expected = message_rows()
+    expected = message_rows(_protocol.LEASE, "consumer", "owner")
     missing = [row for row in expected if not any(line.startswith(row) for line in table)]
     assert not missing, "docs/design.md's lease messages differ from the code (_lifetime/_protocol.py):\n" + "\n".join(
         missing
     )
     assert len(table) == len(expected), "docs/design.md lists messages the lease protocol does not have"
+
+
+def test_design_md_lists_every_fanout_message_as_the_code_defines_it() -> None:
+    text = DESIGN.read_text(encoding="utf-8")
+    fanout = text.split("\n## The fan-out\n", 1)[1].split("\n## ", 1)[0]
+    section = fanout.split("\n### Messages\n", 1)[1].split("\n### ", 1)[0]
+    # The messages' rows: a first cell that is one name (the frames, entries and EOF follow them).
+    table = [line for line in section.splitlines() if re.match(r"\| `\w+` \|", line)]
+    expected = message_rows(_registry.FANOUT, "reader", "producer")
+    missing = [row for row in expected if not any(line.startswith(row) for line in table)]
+    assert not missing, "docs/design.md's fan-out messages differ from the code (_fanout/_registry.py):\n" + "\n".join(
+        missing
+    )
+    assert len(table) == len(expected), "docs/design.md lists fan-out messages the protocol does not have"

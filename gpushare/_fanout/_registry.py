@@ -1,23 +1,25 @@
 """The fan-out's socket side: what travels on it, and the registration of readers.
 
-The producer listens on an authenticated Unix socket (multiprocessing's HMAC
-challenge, both ways). A message is a frozen dataclass, on the wire the tuple
-``(KIND, *fields)`` pickled by multiprocessing's Connection (``encode``,
-:func:`decode`). Each unpickling of the producer's handle connects and
-registers one reader::
+The producer listens on an authenticated Unix socket (a :class:`gpushare._service.Server`:
+multiprocessing's HMAC challenge both ways before anything is unpickled). The messages are
+:data:`FANOUT`, one :mod:`gpushare._service` protocol for both fan-outs: NamedTuples whose
+fields, in order, are the wire format; fds travel as SCM_RIGHTS fields. Each unpickling of the
+producer's handle connects and registers one reader, on the producer's side in
+:meth:`Registrant.on_connect`, on the reader's in :func:`register`::
 
     reader -> producer   Hello(pid, key)
-    producer -> reader   SlotBuffers(buffers, ready event handles); then, by SCM_RIGHTS, the
-                         reader's channel, the release eventfd (and the ring's item eventfd)
+    producer -> reader   SlotBuffers(buffers, ready event handles; by SCM_RIGHTS the
+                         reader's channel, the release eventfd, the ring's item eventfd)
     reader -> producer   Ready(release event handles)
     producer -> reader   Registered, sent under the lock the policy reads its readers under
 
 Any producer message may be ``Closed`` instead. After that the connection is
-the policy's (``Owner.serve``): a tensor set's carries ``Take`` and its
-answers; a ring's carries only *frames*, ``u8 kind | body`` in the
-Connection's framing, written and read without it: ``META`` (a meta too long
-for its entry, just before the entry) and ``CLOSED`` (the end, after the last
-item). docs/design.md has the tables.
+the policy's (its Registrant's ``serve``): a tensor set's carries ``Take`` and
+its answers; a ring's carries only *frames*, ``u8 kind | body`` in the
+Connection's framing, written and read without it (they cost one write per
+consumer on the publishing thread): ``META`` (a meta too long for its entry,
+just before the entry) and ``CLOSED`` (the end, after the last item).
+docs/design.md has the tables.
 """
 
 from __future__ import annotations
@@ -25,16 +27,17 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import socket
 import struct
+import typing
 import weakref
 from dataclasses import dataclass
-from multiprocessing import AuthenticationError, connection, reduction
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
+from multiprocessing import AuthenticationError
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from .. import _cuda
-from .._authsocket import UnixListener, accept, connect, socket_timeouts
+from .. import _cuda, _service
+from .._authsocket import connect, socket_timeouts
 from .._errors import OwnerGoneError
+from .._service import carries_fds
 from . import _channel
 from ._channel import Channel
 from ._slots import ReaderEnd, Slots, destroy_events
@@ -45,6 +48,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CLOSED",
+    "FANOUT",
     "META",
     "RING",
     "TENSOR_SET",
@@ -57,13 +61,12 @@ __all__ = [
     "Reader",
     "Ready",
     "Registered",
+    "Registrant",
     "Registry",
     "SlotBuffers",
     "Take",
     "TimedOut",
-    "answer",
     "closed_frame",
-    "decode",
     "expect",
     "meta_frame",
     "read_frame",
@@ -75,129 +78,86 @@ log = logging.getLogger("gpushare")
 
 
 # -- messages ------------------------------------------------------------------------------------
-class Message:
-    """A message's wire form: its ``KIND``, then its fields in order."""
-
-    __slots__: ClassVar[tuple[str, ...]] = ()
-    KIND: ClassVar[str]
-
-    def encode(self) -> tuple[Any, ...]:
-        return (self.KIND, *[getattr(self, name) for name in self.__slots__])
-
-
-@dataclass(frozen=True, slots=True)
-class Hello(Message):
+class Hello(NamedTuple):
     """Reader -> producer: register. ``key`` names the reader's end, for a reader in the
     producer's own process (it hands its release events over directly)."""
 
-    KIND: ClassVar[str] = "hello"
     pid: int
     key: int
 
 
-@dataclass(frozen=True, slots=True)
-class SlotBuffers(Message):
+@carries_fds("channel_fd", "release_fd", "item_fd")
+class SlotBuffers(NamedTuple):
     """Producer -> reader: the slot buffers (one lease each, claimed by the reader) and, on
-    CUDA, the slots' ready events; the fds follow by SCM_RIGHTS (see :func:`register`)."""
+    CUDA, the slots' ready events; by SCM_RIGHTS the reader's channel, the release eventfd
+    and (the ring's) the item eventfd."""
 
-    KIND: ClassVar[str] = "slots"
     buffers: list[Any]
     handles: list[bytes]
+    channel_fd: int | None
+    release_fd: int | None
+    item_fd: int | None
 
 
-@dataclass(frozen=True, slots=True)
-class Ready(Message):
+class Ready(NamedTuple):
     """Reader -> producer: mapped; on CUDA, one release event per slot."""
 
-    KIND: ClassVar[str] = "ready"
     handles: list[bytes]
 
 
-@dataclass(frozen=True, slots=True)
-class Registered(Message):
+class Registered(NamedTuple):
     """Producer -> reader: registration done."""
 
-    KIND: ClassVar[str] = "registered"
 
-
-@dataclass(frozen=True, slots=True)
-class Closed(Message):
+class Closed(NamedTuple):
     """Producer -> reader, instead of any other answer: closed. A tensor set offers its last
     ``version`` (in ``slot``; -1: none) to take still."""
 
-    KIND: ClassVar[str] = "closed"
     reason: str
     version: int = 0
     slot: int = -1
     recorded: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class Take(Message):
+class Take(NamedTuple):
     """Reader -> trainer: the latest version, once it is newer than ``newer_than``."""
 
-    KIND: ClassVar[str] = "take"
     newer_than: int
     timeout: float | None
 
 
-@dataclass(frozen=True, slots=True)
-class Grant(Message):
+class Grant(NamedTuple):
     """Trainer -> reader: ``version`` is in ``slot``, held under ``grant`` (recorded as held before
     this answer); ``recorded``: its ready event was recorded."""
 
-    KIND: ClassVar[str] = "grant"
     version: int
     slot: int
     grant: int
     recorded: bool
 
 
-@dataclass(frozen=True, slots=True)
-class TimedOut(Message):
+class TimedOut(NamedTuple):
     """Trainer -> reader: no newer version within the take's timeout."""
 
-    KIND: ClassVar[str] = "timeout"
     message: str
 
 
-_KINDS: dict[str, type[Message]] = {
-    cls.KIND: cls for cls in (Hello, SlotBuffers, Ready, Registered, Closed, Take, Grant, TimedOut)
-}
-M = TypeVar("M", bound=Message)
+#: Both fan-outs' protocol: the registration, then a tensor set's takes (a ring's socket
+#: carries only frames once its consumer registered).
+FANOUT = _service.Protocol(
+    "fan-out", to_server=(Hello, Ready, Take), to_client=(SlotBuffers, Registered, Closed, Grant, TimedOut)
+)
 
 
-def decode(data: object) -> Message:
-    """The message ``data`` (a tuple as received) encodes; ValueError if it encodes none."""
-    if isinstance(data, tuple) and data and isinstance(data[0], str):
-        cls = _KINDS.get(data[0])
-        if cls is not None:
-            try:
-                return cls(*data[1:])
-            except TypeError:  # too few or too many fields
-                pass
-    raise ValueError(f"not a fan-out message: {data!r:.100}")
-
-
-def expect(data: object, kind: type[M]) -> M:
-    """``data`` decoded, which must be a ``kind``; else EOFError (the peer broke the protocol)."""
+def expect(channel: _service.Channel, *kinds: type) -> Any:
+    """The next message on ``channel``, which must be one of ``kinds``; else EOFError (the
+    peer broke the protocol)."""
     try:
-        message = decode(data)
-    except ValueError as exc:
-        raise EOFError(f"expected {kind.KIND!r}: {exc}") from None
-    if not isinstance(message, kind):
-        raise EOFError(f"expected {kind.KIND!r}, got {message.KIND!r}")
-    return message
-
-
-def answer(data: object, kind: type[M]) -> M | Closed:
-    """A producer's answer: a ``kind``, or ``Closed``, which may come instead of any; else EOFError."""
-    try:
-        message = decode(data)
-    except ValueError as exc:
-        raise EOFError(f"expected {kind.KIND!r}: {exc}") from None
-    if not isinstance(message, (kind, Closed)):
-        raise EOFError(f"expected {kind.KIND!r}, got {message.KIND!r}")
+        message = channel.recv()
+    except _service.ProtocolError as exc:
+        raise EOFError(f"expected {kinds[0].__name__}: {exc}") from None
+    if type(message) not in kinds:
+        raise EOFError(f"expected {kinds[0].__name__}, got {type(message).__name__}")
     return message
 
 
@@ -317,7 +277,7 @@ class Reader:
     """One registered reader, as its producer keeps it (a policy adds its own fields)."""
 
     rid: int
-    conn: connection.Connection
+    conn: _service.Channel  # its connection: closed by the Server when the reader's handler ends
     pid: int
     channel: Channel
     wake: int  # an eventfd per reader: the ring's item eventfd, or a tensor set reader's thread's
@@ -326,9 +286,9 @@ class Reader:
     dead: bool = False
 
     def close(self, device: int | str) -> None:
-        """Close its socket, channel and eventfd; destroy its release events if they are ours.
-        A wait already queued on one completes normally (the driver defers the destroy)."""
-        self.conn.close()
+        """Close its channel and eventfd; destroy its release events if they are ours. A wait
+        already queued on one completes normally (the driver defers the destroy). The
+        connection is its handler's thread's to close (see :class:`Registrant`)."""
         self.channel.close()
         wake, self.wake = self.wake, -1
         if wake >= 0:
@@ -338,7 +298,7 @@ class Reader:
             destroy_events(events, device)
 
 
-class Owner(Protocol):
+class Owner(typing.Protocol):
     """The policy a :class:`Registry` registers readers for."""
 
     closed: str | None
@@ -348,45 +308,68 @@ class Owner(Protocol):
     def admit(self, reader: Any) -> None:
         """A reader registered: called under the slots' lock, right after ``Registered`` went."""
 
-    def serve(self, reader: Any) -> None:
-        """On the reader's own thread, once it registered."""
+
+class Registrant(_service.Handler):
+    """One connection to the producer, on its own thread (the Server's): :meth:`on_connect`
+    registers its reader (the exchange above); :meth:`serve` is then the policy's.
+
+    This one serves nothing, and the thread ends, closing its connection: a ring's producer
+    reads its consumers' sockets itself, through a descriptor of its own (``_ring_producer``).
+    """
+
+    def __init__(self, registry: Registry, conn: _service.Channel) -> None:
+        self.registry = registry
+        self.conn = conn
+        self.reader: Any = None
+
+    def on_connect(self) -> None:
+        self.reader = self.registry.register(self.conn)
+        if self.reader is None:
+            raise EOFError("not registered")  # the Server closes the connection
+
+    def serve(self, channel: _service.Channel) -> None:
+        """After registration: the policy's."""
 
 
 class Registry:
-    """The producer's socket side: the listener, the exchange above, and the table of readers
+    """The producer's socket side: a :class:`~gpushare._service.Server` whose handlers
+    (``handler_type``, a :class:`Registrant`) register readers, and the table of readers
     (``readers``, under the slots' lock)."""
 
     def __init__(
-        self, kind: Kind, slots: Slots, authkey: bytes, owner: Owner, reader_type: Callable[..., Reader]
+        self,
+        kind: Kind,
+        slots: Slots,
+        authkey: bytes,
+        owner: Owner,
+        reader_type: Callable[..., Reader],
+        handler_type: Callable[[Registry, _service.Channel], Registrant] = Registrant,
     ) -> None:
         self.kind = kind
         self.slots = slots
-        self.authkey = authkey
         self.readers: dict[int, Any] = {}
         self._owner = owner
         self._reader_type = reader_type
         self._ids = itertools.count(1)
-        self._listener = UnixListener(kind.listener, self._connected, backlog=64)
-        self.address = self._listener.address
+        self._server = _service.Server(
+            kind.listener,
+            authkey,
+            FANOUT,
+            lambda conn: handler_type(self, conn),
+            handshake_timeout=REGISTER_TIMEOUT,
+            backlog=64,
+        )
+        self.address = self._server.address
         if kind.share_local:
             _LOCAL_SLOTS[self.address] = slots
 
     def close(self) -> None:
         """Stop registering readers (the ones registered stay the policy's)."""
-        self._listener.close()
+        self._server.close()
         _LOCAL_SLOTS.pop(self.address, None)
 
-    def _connected(self, sock: socket.socket) -> None:
-        try:
-            conn = accept(sock, self.authkey, REGISTER_TIMEOUT)
-        except (AuthenticationError, OSError, EOFError) as exc:
-            log.warning("gpushare: a %s failed to register: %s", self.kind.reader, exc)
-            return
-        reader = self._register(conn)
-        if reader is not None:
-            self._owner.serve(reader)
-
-    def _register(self, conn: connection.Connection) -> Reader | None:
+    def register(self, conn: _service.Channel) -> Reader | None:
+        """The producer's half of the exchange, on the connection's thread: the reader, or None."""
         owner, slots = self._owner, self.slots
         channel: Channel | None = None
         wake = -1
@@ -394,33 +377,30 @@ class Registry:
         own = True
         try:
             socket_timeouts(conn.fileno(), REGISTER_TIMEOUT, REGISTER_TIMEOUT)
-            hello = expect(conn.recv(), Hello)
+            hello: Hello = expect(conn, Hello)
             if owner.closed is not None:
-                conn.send(owner.closed_message().encode())
-                conn.close()
+                conn.send(owner.closed_message())
                 return None
             channel = Channel.create(slots.n)
             wake = _channel.eventfd()
             # One lease per slot, claimed by the reader (it maps each once); then its fds.
-            conn.send(SlotBuffers(slots.buffers, slots.handles).encode())
-            fds = [channel.fd, slots.release_fd, wake] if self.kind.item_wake else [channel.fd, slots.release_fd]
-            with socket.socket(fileno=os.dup(conn.fileno())) as raw:
-                reduction.sendfds(raw, fds)
+            item = wake if self.kind.item_wake else None
+            conn.send(SlotBuffers(slots.buffers, slots.handles, channel.fd, slots.release_fd, item))
             os.close(channel.fd)  # the mapping stays; the reader has its own fd
             channel.fd = -1
-            ready = expect(conn.recv(), Ready)
+            ready: Ready = expect(conn, Ready)
             own = self._release_events(hello, ready.handles, events)
             socket_timeouts(conn.fileno(), 0, SEND_TIMEOUT)
         except Exception as exc:  # e.g. closed while the slots were being pickled
             log.warning("gpushare: a %s failed to register: %r", self.kind.reader, exc)
-            self._discard(conn, channel, wake, events if own else [])
+            self._discard(channel, wake, events if own else [])
             return None
         with slots.lock:
             if owner.closed is None:
                 try:
                     # Under the lock the policy reads its readers under, with admit(): nothing
                     # reaches the reader before this, and all that starts after reaches it.
-                    conn.send(Registered().encode())
+                    conn.send(Registered())
                 except OSError as exc:
                     log.warning("gpushare: a %s failed to register: %s", self.kind.reader, exc)
                 else:
@@ -431,10 +411,10 @@ class Registry:
             closed = owner.closed is not None
         if closed:  # closed while this reader registered
             try:
-                conn.send(owner.closed_message().encode())
+                conn.send(owner.closed_message())
             except OSError:
                 pass
-        self._discard(conn, channel, wake, events if own else [])
+        self._discard(channel, wake, events if own else [])
         return None
 
     def _release_events(self, hello: Hello, handles: list[bytes], events: list[Any]) -> bool:
@@ -449,8 +429,8 @@ class Registry:
             events.append(_cuda.event_open(handle, slots.device))  # type: ignore[arg-type]
         return True
 
-    def _discard(self, conn: connection.Connection, channel: Channel | None, wake: int, events: list[Any]) -> None:
-        conn.close()
+    def _discard(self, channel: Channel | None, wake: int, events: list[Any]) -> None:
+        """What a reader that did not register got here (its connection is the Server's to close)."""
         if channel is not None:
             channel.close()
         if wake >= 0:
@@ -467,30 +447,29 @@ def register(
     try:
         if prepare is not None:
             prepare()
-        end.conn = conn = connect(address, authkey, REGISTER_TIMEOUT)
+        end.conn = conn = _service.Channel(connect(address, authkey, REGISTER_TIMEOUT), FANOUT, server=False)
+        end.handles.append(conn)  # its socket for SCM_RIGHTS too, if the end is collected unclosed
         socket_timeouts(conn.fileno(), REGISTER_TIMEOUT, REGISTER_TIMEOUT)
-        conn.send(Hello(os.getpid(), id(end)).encode())
-        reply = answer(conn.recv(), SlotBuffers)  # maps every slot (claims one lease each)
-        if isinstance(reply, Closed):
+        conn.send(Hello(os.getpid(), id(end)))
+        reply = expect(conn, SlotBuffers, Closed)  # maps every slot (claims one lease each)
+        if type(reply) is Closed:
             return reply
         end.buffers = list(reply.buffers)
         end.lent = [False] * len(end.buffers)
-        with socket.socket(fileno=os.dup(conn.fileno())) as raw:
-            fds = reduction.recvfds(raw, 3 if kind.item_wake else 2)
-        end.release_fd = fds[1]
+        end.release_fd = reply.release_fd
         end.handles.append(end.release_fd)
         if kind.item_wake:
-            end.wake = fds[2]
+            end.wake = reply.item_fd
             end.handles.append(end.wake)
         try:
-            end.channel = Channel.attach(fds[0], len(end.buffers))
+            end.channel = Channel.attach(reply.channel_fd, len(end.buffers))
         except ValueError as exc:
             raise OSError(str(exc)) from exc
         end.handles.append(end.channel)
         end.device = end.buffers[0].device if end.buffers else "cpu"
-        conn.send(Ready(_events(end, reply.handles, kind, pid == os.getpid(), address)).encode())
-        done = answer(conn.recv(), Registered)
-        if isinstance(done, Closed):  # closed while this reader registered
+        conn.send(Ready(_events(end, reply.handles, kind, pid == os.getpid(), address)))
+        done = expect(conn, Registered, Closed)
+        if type(done) is Closed:  # closed while this reader registered
             return done
         socket_timeouts(conn.fileno(), 0, 0)
     except AuthenticationError as exc:

@@ -38,13 +38,17 @@ PUBLISHED = 2  # the ring's own state: held by the consumers it was published to
 @dataclass(eq=False)
 class _Consumer(Reader):
     head: int = 0  # entries published to it
-    frames: Frames = field(init=False)  # its socket, after registration: EOF, or a broken consumer
+    # Its socket after registration (EOF, or a broken consumer), through a descriptor of its
+    # own: the registration's thread ends and closes the connection (see Registrant).
+    frames: Frames = field(init=False)
 
     def __post_init__(self) -> None:
-        self.frames = Frames(self.conn.fileno())
+        self.frames = Frames(os.dup(self.conn.fileno()))
 
     def close(self, device: int | str) -> None:
-        self.frames.fd = -1  # never write to a closed (maybe reused) fd number
+        fd, self.frames.fd = self.frames.fd, -1  # never write to a closed (maybe reused) fd number
+        if fd >= 0:
+            os.close(fd)
         super().close(device)
 
 
@@ -98,7 +102,7 @@ class RingProducer:
         self._consumers: dict[int, Any] = self._registry.readers
         self.address = self._registry.address
 
-    # -- registration (the registry's threads) -------------------------------------------------
+    # -- registration (the registry's threads; the producer's own calls read the sockets after it: _drain)
     def closed_message(self) -> Closed:
         return Closed(str(self.closed))
 
@@ -106,9 +110,6 @@ class RingProducer:
         self._refresh()
         self._registered += 1
         self._cond.notify_all()
-
-    def serve(self, consumer: _Consumer) -> None:
-        """Nothing: the producer's own calls read the consumers' sockets (see _drain)."""
 
     def _refresh(self) -> None:
         """The consumer table changed. Under _lock."""
@@ -160,9 +161,9 @@ class RingProducer:
                 self._poll_version = self._version
             poller = self.slots.poller()
             for c in consumers:
-                poller.register(c.conn.fileno(), select.POLLIN)
+                poller.register(c.frames.fd, select.POLLIN)
             self._poller = poller
-            self._by_fd = {c.conn.fileno(): c for c in consumers}
+            self._by_fd = {c.frames.fd: c for c in consumers}
         return self._poller
 
     def _drain(self, timeout: float | None) -> None:

@@ -2,8 +2,9 @@
 
 A *version* is a publication's number (1, 2, ...); the set keeps its latest
 ones in its slots (``versions=`` of them). One thread per reader (readers are
-engines: few) answers its takes under the slots' lock, recording each grant as
-held before it answers, so the trainer always knows who holds what. A grant's
+engines: few), the registry's Server's, runs its :class:`_ReaderService`: it
+answers the reader's takes under the slots' lock, recording each grant as held
+before it answers, so the trainer always knows who holds what. A grant's
 id is the stamp its release word carries. Locks (the slots'): ``io`` serializes
 the trainer's threads that wait for a slot to write; ``lock`` guards the rest,
 and driver calls on readers' events, so that none is destroyed under a wait.
@@ -11,6 +12,7 @@ and driver calls on readers' events, so that none is destroyed under a wait.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import select
@@ -20,9 +22,11 @@ from typing import Any
 
 from .._buffer import Buffer, memory_of
 from .._errors import TensorSetClosedError, WaitTimeoutError
+from .._service import Channel as Connection
+from .._service import ProtocolError, handles
 from ._channel import RECORDED, poke, soak
 from ._layout import Layout
-from ._registry import TENSOR_SET, Closed, Grant, Reader, Registry, Take, TimedOut, decode
+from ._registry import TENSOR_SET, Closed, Grant, Reader, Registrant, Registry, Take, TimedOut
 from ._slots import FREE, WRITING, Slots
 from ._wire import poll_ms
 
@@ -36,6 +40,64 @@ class _Reader(Reader):
     grants: dict[int, int] = field(default_factory=dict)  # slot -> the grant id it holds
     next_grant: int = 1
     waiting: bool = False  # its thread waits for a version newer than it has
+
+
+class _ReaderService(Registrant):
+    """A tensor set reader's connection, once registered: its takes, answered on its own thread.
+
+    It waits on the socket and on the reader's eventfd (a version was published while a
+    take waited, or the set closed), so it overrides ``serve``; however the connection
+    ends, the reader is dropped (``on_close``)."""
+
+    def __init__(self, registry: Registry, conn: Connection, producer: SetProducer) -> None:
+        super().__init__(registry, conn)
+        self.producer = producer
+        self.poller: Any = None
+
+    def serve(self, channel: Connection) -> None:
+        reader: _Reader = self.reader
+        try:
+            self._loop(reader)
+        except (EOFError, OSError):
+            pass  # the reader exited, died or closed: its slots are free again
+        except Exception:
+            log.exception("gpushare: serving a tensor set reader (pid %s) failed; dropping it", reader.pid)
+
+    def _loop(self, reader: _Reader) -> None:
+        """Serve ``reader`` until it goes (EOFError/OSError) or the set closes."""
+        producer, conn = self.producer, self.conn
+        poller = self.poller = select.poll()
+        poller.register(conn.fileno(), select.POLLIN)
+        poller.register(reader.wake, select.POLLIN)
+        while True:
+            if producer.closed is not None:
+                producer._send_closed(reader)
+                return
+            readable = False
+            for fd, _ in poller.poll():
+                if fd == reader.wake:
+                    soak(fd)
+                else:
+                    readable = True
+            if not readable:
+                continue
+            try:
+                message = conn.recv()  # EOFError when the reader went
+            except ProtocolError:
+                message = None
+            self.on_message(message)
+
+    @handles(Take)
+    def take(self, message: Take) -> None:
+        self.producer._take(self.reader, self.poller, int(message.newer_than), message.timeout)
+
+    def on_unknown(self, message: Any) -> None:
+        log.warning("gpushare: unexpected message from tensor set reader pid %s; dropping it", self.reader.pid)
+        raise EOFError("protocol: not a take")
+
+    def on_close(self) -> None:
+        if self.reader is not None:
+            self.producer._drop(self.reader)
 
 
 class SetProducer:
@@ -69,52 +131,15 @@ class SetProducer:
         self._registered = 0
         self.closed: str | None = None
         self._poller = slots.poller()
-        self._registry = Registry(TENSOR_SET, slots, authkey, self, _Reader)
+        self._registry = Registry(
+            TENSOR_SET, slots, authkey, self, _Reader, lambda registry, conn: _ReaderService(registry, conn, self)
+        )
         self._readers: dict[int, Any] = self._registry.readers
         self.address = self._registry.address
 
-    # -- one thread per reader: registration, then its requests -------------------------
+    # -- one thread per reader (its _ReaderService): registration, then its takes -------
     def admit(self, reader: _Reader) -> None:
         self._registered += 1
-
-    def serve(self, reader: _Reader) -> None:
-        try:
-            self._loop(reader)
-        except (EOFError, OSError):
-            pass  # the reader exited, died or closed: its slots are free again
-        except Exception:
-            log.exception("gpushare: serving a tensor set reader (pid %s) failed; dropping it", reader.pid)
-        finally:
-            self._drop(reader)
-
-    def _loop(self, reader: _Reader) -> None:
-        """Serve ``reader`` until it goes (EOFError/OSError) or the set closes."""
-        conn = reader.conn
-        poller = select.poll()
-        poller.register(conn.fileno(), select.POLLIN)
-        poller.register(reader.wake, select.POLLIN)
-        while True:
-            if self.closed is not None:
-                self._send_closed(reader)
-                return
-            readable = False
-            for fd, _ in poller.poll():
-                if fd == reader.wake:
-                    soak(fd)
-                else:
-                    readable = True
-            if not readable:
-                continue
-            data = conn.recv()  # EOFError when the reader went
-            try:
-                message = decode(data)
-            except ValueError:
-                message = None
-            if isinstance(message, Take):
-                self._take(reader, poller, int(message.newer_than), message.timeout)
-            else:
-                log.warning("gpushare: unexpected message from tensor set reader pid %s; dropping it", reader.pid)
-                return
 
     def _take(self, reader: _Reader, poller: Any, newer_than: int, timeout: float | None) -> None:
         """Answer one take: grant the latest version once it is newer than ``newer_than``."""
@@ -142,7 +167,7 @@ class SetProducer:
                 self._send_closed(reader)
                 raise EOFError("closed")
             if reply is not None:
-                conn.send(reply.encode())
+                conn.send(reply)
                 return
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
@@ -152,14 +177,15 @@ class SetProducer:
                     TimedOut(
                         f"no version newer than {newer_than} was published within {timeout:g} s (the trainer, "
                         f"pid {os.getpid()}, has published {latest} so far)"
-                    ).encode()
+                    )
                 )
                 return
             for fd, _ in poller.poll(poll_ms(remaining)):
                 if fd == reader.wake:
                     soak(fd)
                 else:  # nothing may come while a take waits: EOF, or a broken reader
-                    conn.recv()
+                    with contextlib.suppress(ProtocolError):
+                        conn.recv()
                     raise EOFError("protocol: a request while a take waited")
 
     def closed_message(self) -> Closed:
@@ -169,10 +195,7 @@ class SetProducer:
             return Closed(str(self.closed), self.version, slot, self._recorded[slot] if slot >= 0 else False)
 
     def _send_closed(self, reader: _Reader) -> None:
-        try:
-            reader.conn.send(self.closed_message().encode())
-        except OSError:
-            pass
+        reader.conn.try_send(self.closed_message())
 
     # -- releases and readers that go (under _lock) ------------------------------------
     def _collect(self, reader: _Reader) -> None:

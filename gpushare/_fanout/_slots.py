@@ -183,7 +183,7 @@ class Slots:
 
 
 def _close_handles(handles: list[Any]) -> None:
-    """A reader's end collected without close(): its raw fds and its channel."""
+    """A reader's end collected without close(): its raw fds, its channel and its connection."""
     for handle in handles:
         try:
             if isinstance(handle, int):
@@ -202,7 +202,7 @@ class ReaderEnd:
     ``_registry.register``; the policy's end object keeps it."""
 
     def __init__(self) -> None:
-        self.conn: Any = None
+        self.conn: Any = None  # a _service.Channel of the fan-out protocol
         self.channel: Channel | None = None
         self.release_fd = -1  # the producer's release eventfd: poked per release
         self.wake = -1  # the ring's item eventfd (-1 in a tensor set's reader)

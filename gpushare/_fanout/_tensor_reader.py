@@ -26,10 +26,11 @@ from .._errors import (
     TensorSetClosedError,
     WaitTimeoutError,
 )
+from .._service import Handler, ProtocolError, handles
 from ._copy import copy_regions, copy_stream, host_copy, regions, stream_handle
 from ._handles import TensorSetInfo
 from ._layout import Layout
-from ._registry import TENSOR_SET, Closed, Grant, Take, TimedOut, decode, register
+from ._registry import TENSOR_SET, Closed, Grant, Take, TimedOut, register
 from ._slots import ReaderEnd
 from ._views import SlotTensors
 
@@ -204,36 +205,23 @@ class TensorSetReader(TensorSetInfo):
             # Hold every grant still held here: none can be released while the trainer answers.
             pinned = {slot: grant for slot, ref in core.grants.items() if (grant := ref()) is not None}
             try:
-                conn.send(Take(newer_than, timeout).encode())
+                conn.send(Take(newer_than, timeout))
             except OSError:
                 pass  # the trainer closed or went: what it sent before is still to be read
             reply = self._answer(core, conn, timeout)
-            if isinstance(reply, Grant):
-                slot = reply.slot
-                grant = pinned.get(slot)
-                if grant is None or grant.gid != reply.grant:
-                    grant = _Grant(core, slot, reply.grant, core.end.buffers[slot].view())
-                    core.grants[slot] = weakref.ref(grant)
-                del pinned
-                return self._snapshot(core, int(reply.version), slot, grant, bool(reply.recorded))
-            if isinstance(reply, TimedOut):
-                raise WaitTimeoutError(str(reply.message))
-            if isinstance(reply, Closed):
-                self._closed(core, reply)
-                return self._take_closed(core, newer_than)
-            self._gone(core, f"it sent an unexpected answer {reply.KIND!r}")
+            answer = _Answer(self, core, newer_than, pinned)
+            del pinned
+            return answer.on_message(reply)
 
     def _answer(self, core: _ReaderCore, conn: Any, timeout: float | None) -> Any:
         try:
-            if timeout is not None and not conn.poll(max(0.0, timeout) + ANSWER_GRACE):
+            if timeout is not None and not conn.conn.poll(max(0.0, timeout) + ANSWER_GRACE):
                 self._gone(core, f"it did not answer within {timeout + ANSWER_GRACE:g} s")
-            data = conn.recv()
+            return conn.recv()
         except (EOFError, OSError) as exc:
             self._gone(core, f"exited without closing the tensor set ({type(exc).__name__})")
-        try:
-            return decode(data)
-        except ValueError:
-            self._gone(core, f"it sent {data!r}")
+        except ProtocolError as exc:
+            self._gone(core, f"broke the protocol ({exc})")
 
     def _gone(self, core: _ReaderCore, why: str) -> NoReturn:
         message = (
@@ -302,6 +290,39 @@ class TensorSetReader(TensorSetInfo):
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"version {self.version} taken"
         return f"<gpushare.TensorSetReader {len(self.layout)} tensors, {self.nbytes} bytes, {state}>"
+
+
+class _Answer(Handler):
+    """What a take does with the trainer's answer, on the taking thread: the snapshot, or an error."""
+
+    def __init__(self, reader: TensorSetReader, core: _ReaderCore, newer_than: int, pinned: dict[int, _Grant]) -> None:
+        self.reader = reader
+        self.core = core
+        self.newer_than = newer_than
+        self.pinned = pinned  # every grant still held here: none is released while the trainer answers
+
+    @handles(Grant)
+    def granted(self, reply: Grant) -> Snapshot:
+        core = self.core
+        slot = reply.slot
+        grant = self.pinned.get(slot)
+        if grant is None or grant.gid != reply.grant:
+            grant = _Grant(core, slot, reply.grant, core.end.buffers[slot].view())
+            core.grants[slot] = weakref.ref(grant)
+        self.pinned = {}
+        return self.reader._snapshot(core, int(reply.version), slot, grant, bool(reply.recorded))
+
+    @handles(TimedOut)
+    def timed_out(self, reply: TimedOut) -> NoReturn:
+        raise WaitTimeoutError(str(reply.message))
+
+    @handles(Closed)
+    def closed(self, reply: Closed) -> Snapshot:
+        self.reader._closed(self.core, reply)
+        return self.reader._take_closed(self.core, self.newer_than)
+
+    def on_unknown(self, reply: Any) -> NoReturn:
+        self.reader._gone(self.core, f"it sent an unexpected answer {type(reply).__name__!r}")
 
 
 class Snapshot(SlotTensors):
