@@ -208,6 +208,14 @@ class Channel:
         fds = dict(zip(present, reduction.recvfds(sock, len(present)), strict=True))
         return _tuple_new(cls, [fds.get(i) if i in where else v for i, v in enumerate(message)])
 
+    def recv_valid(self) -> Any:
+        """The next message; a frame that is no message of the protocol is logged and skipped."""
+        while True:
+            try:
+                return self.recv()
+            except ProtocolError as exc:
+                log.warning("gpushare: ignoring a frame: %s", exc)
+
     def shutdown(self) -> None:
         """Shut the socket down both ways: a thread blocked reading it returns (EOF)."""
         shutdown_socket(self.conn.fileno())
@@ -272,12 +280,7 @@ class Handler:
         """Handle ``channel``'s messages until it ends (EOFError or OSError). A handler that
         must also wait for something besides the socket overrides this."""
         while True:
-            try:
-                message = channel.recv()
-            except ProtocolError as exc:
-                log.warning("gpushare: ignoring a frame: %s", exc)
-                continue
-            self.on_message(message)
+            self.on_message(channel.recv_valid())
 
 
 class Server:
@@ -409,11 +412,7 @@ class Client:
         handler = self.handler
         try:
             while True:
-                try:
-                    message = channel.recv()
-                except ProtocolError as exc:
-                    log.warning("gpushare: ignoring a frame: %s", exc)
-                    continue
+                message = channel.recv_valid()
                 if type(message) in REPLIES:
                     self._reply(message)
                 else:
