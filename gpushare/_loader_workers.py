@@ -18,10 +18,10 @@ import weakref
 from collections import deque
 from typing import Any
 
-from ._authsocket import process_alive
 from ._batch import SlotWriter, Staging, align, exception_payload
 from ._buffer import Buffer
 from ._errors import OwnerGoneError, RingClosedError, WaitTimeoutError
+from ._service import process_alive
 
 __all__ = [
     "JOIN_TIMEOUT",

@@ -61,7 +61,7 @@ def _watch() -> None:
             time.sleep(POLL)
     if parent_pid is not None:
         # Its sockets close with its last thread, a little after the sentinel fires.
-        from ._authsocket import remove_stale_sockets
+        from ._service import remove_stale_sockets
 
         remove_stale_sockets(parent_pid, settle=5.0)
         # Its host segments: nobody else may unlink them, and consumers keep their mappings.

@@ -76,7 +76,7 @@ def _restore(data: bytes) -> Any:
 
 
 def _process_alive(pid: int) -> bool:
-    from ._authsocket import process_alive
+    from ._service import process_alive
 
     return process_alive(pid)
 

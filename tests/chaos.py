@@ -24,7 +24,7 @@ from collections.abc import Callable, Collection, Iterable
 
 import gpushare as mp
 from gpushare import _lifetime
-from gpushare._authsocket import process_alive
+from gpushare._service import process_alive
 
 N = 1024  # float32 elements per buffer: one 2 MiB allocation
 SLOTS = 2  # ring slots

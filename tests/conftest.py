@@ -29,7 +29,7 @@ import pytest
 from workers import w_unpickle_and_sum
 
 import gpushare as mp
-from gpushare import _authsocket, _cuda
+from gpushare import _cuda, _service
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -243,7 +243,7 @@ def clean_up_after(pid: int, server_pid: int, dirs: list[str]) -> None:
 
 def all_gone(pids: list[int]) -> bool:
     """None of ``pids`` is alive (workers, a Manager's server)."""
-    return not any(_authsocket.process_alive(pid, sentinel=False) for pid in pids)
+    return not any(_service.process_alive(pid, sentinel=False) for pid in pids)
 
 
 # -- Managers ----------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from conftest import BACKENDS, device_for, guarded, kill_quietly, recv, start_gu
 from workers import total, w_hold_until_told, w_touch_when_told
 
 import gpushare as mp
-from gpushare._authsocket import process_alive
+from gpushare._service import process_alive
 
 T = 60  # seconds any single wait in a worker may take
 N = 1024  # float32 elements per test buffer
@@ -374,10 +374,10 @@ def w_listen(out, tempdir) -> None:
     """Listen on a gpushare socket in ``tempdir``, say where, and wait to be killed."""
     import tempfile
 
-    from gpushare import _authsocket
+    from gpushare import _service
 
     tempfile.tempdir = tempdir
-    listener = _authsocket.UnixListener("owner", lambda sock: sock.close())
+    listener = _service.UnixListener("owner", lambda sock: sock.close())
     out.put(("listening", os.path.dirname(listener.address)))
     time.sleep(120)
 
@@ -385,11 +385,11 @@ def w_listen(out, tempdir) -> None:
 def w_sweep(out, tempdir) -> None:
     import tempfile
 
-    from gpushare import _authsocket
+    from gpushare import _service
 
     tempfile.tempdir = tempdir
-    first = _authsocket.sweep_dead()
-    out.put(("swept", first, _authsocket.sweep_dead()))
+    first = _service.sweep_dead()
+    out.put(("swept", first, _service.sweep_dead()))
 
 
 def test_the_next_process_sweeps_what_a_killed_process_left(reap, tmp_path) -> None:
@@ -411,7 +411,7 @@ def test_the_next_process_sweeps_what_a_killed_process_left(reap, tmp_path) -> N
 
 
 def test_a_dead_owners_socket_directory_is_removed_only_when_stale(tmp_path, monkeypatch) -> None:
-    from gpushare import _authsocket
+    from gpushare import _service
 
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     stale = tmp_path / "gpushare-owner-424242-abc"
@@ -422,12 +422,12 @@ def test_a_dead_owners_socket_directory_is_removed_only_when_stale(tmp_path, mon
     (foreign / "notes.txt").touch()  # not only sockets: not ours to remove
     other = tmp_path / "gpushare-owner-434343-abc"
     other.mkdir()
-    assert _authsocket.remove_stale_sockets(424242) == [str(stale)]
+    assert _service.remove_stale_sockets(424242) == [str(stale)]
     assert not stale.exists() and foreign.exists() and other.exists()
-    listener = _authsocket.UnixListener("owner", lambda sock: sock.close())
+    listener = _service.UnixListener("owner", lambda sock: sock.close())
     try:
         assert os.path.dirname(listener.address).startswith(str(tmp_path / f"gpushare-owner-{os.getpid()}-"))
-        assert _authsocket.remove_stale_sockets(os.getpid()) == []  # it answers: alive, kept
+        assert _service.remove_stale_sockets(os.getpid()) == []  # it answers: alive, kept
         assert os.path.exists(listener.address)
     finally:
         listener.close()

@@ -35,9 +35,8 @@ from multiprocessing import AuthenticationError
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .. import _cuda, _service
-from .._authsocket import connect, socket_timeouts
 from .._errors import OwnerGoneError
-from .._service import carries_fds
+from .._service import carries_fds, connect, socket_timeouts
 from . import _channel
 from ._channel import Channel
 from ._slots import ReaderEnd, Slots, destroy_events

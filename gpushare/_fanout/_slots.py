@@ -21,8 +21,8 @@ import weakref
 from typing import Any
 
 from .. import _cuda
-from .._authsocket import shutdown_socket
 from .._buffer import Buffer
+from .._service import shutdown_socket
 from . import _channel
 from ._channel import Channel, poke, soak
 
