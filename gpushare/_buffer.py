@@ -20,9 +20,8 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 from . import _seams
-from ._descriptor import Descriptor, _dtype
 from ._errors import BufferReleasedError
-from ._memory import Memory
+from ._memory import Descriptor, Memory, _dtype
 
 if TYPE_CHECKING:
     import numpy as np

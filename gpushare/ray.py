@@ -22,9 +22,9 @@ import numpy as np
 
 from . import _lifetime
 from ._buffer import Buffer, attach_buffer, descriptor_of, memory_of
-from ._descriptor import Descriptor
 from ._errors import DescriptorError, GpushareError, OwnerGoneError
 from ._lifetime._protocol import LeaseVia
+from ._memory import Descriptor
 
 __all__ = ["NODE_ID_ENV", "NodeCopy", "node_identity", "reduce_for_ray"]
 

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from workers import unpickle_bytes, w_unpickle_and_sum
 
 import gpushare as mp
-from gpushare._descriptor import Descriptor
+from gpushare._memory import Descriptor
 
 
 def make(**over: object) -> Descriptor:

@@ -32,9 +32,8 @@ from multiprocessing import AuthenticationError, current_process
 from typing import TYPE_CHECKING, Any
 
 from .. import _backends, _seams
-from .._descriptor import Descriptor
 from .._errors import DescriptorError, OwnerGoneError
-from .._memory import Memory
+from .._memory import Descriptor, Memory
 from .._service import Client, Err, Handler, Ok, OkFd, Pending, handles
 from ._protocol import (
     CLAIM,

@@ -34,9 +34,8 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import _backends
-from .._descriptor import Descriptor
 from .._errors import LeakWarning, ManagerClosedError
-from .._memory import Memory
+from .._memory import Descriptor, Memory
 from ._lease_table import LeaseTable, check_alive
 from ._protocol import LOCAL, Alloc, Bye, Shutdown, Stats, Trim, owner_for, owners, warn
 from ._records import AllocationPool, AllocRecord, Consumers, Lease, OwnerState
