@@ -31,7 +31,6 @@ OWNER_SIDE = {
     "gpushare._lifetime._owner",
     "gpushare._lifetime._request_loop",
     "gpushare._lifetime._unmapper",
-    "gpushare._lifetime._lease_table",
     "gpushare._lifetime._records",
     "gpushare._manager_server",
     "gpushare._manager",

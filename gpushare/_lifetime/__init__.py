@@ -59,14 +59,15 @@ its own state and methods (no part is a base class of another):
 
 * owner side: :class:`Owner` (``_owner``: allocation, the owner's own
   references, stats, shutdown) holds an :class:`~._records.AllocationPool`,
-  a :class:`~._lease_table.LeaseTable` (leases, the journals, deferred
+  a :class:`~._records.LeaseTable` (leases, the journals, deferred
   finalizer work), an :class:`~._unmapper.Unmapper` (the unmap protocol and
   freeing) and a :class:`~._request_loop.RequestLoop` (the socket service and
   housekeeping), which adds and removes the connected
   :class:`~._records.Consumers`; each part owns its facts and asks the others
   for theirs, under one lock (:class:`~._records.OwnerState`, which still
   holds the allocation table); ``_records`` holds the allocation, lease and
-  peer records, the allocation table and the pool;
+  peer records and the tables of them: the allocation table, the pool, the
+  lease table and the consumers;
 * consumer side: :class:`Link` (``_link``: attaching descriptors, the mapping
   cache, closing, requests; the handler of its :class:`~gpushare._service.Client`)
   holds a :class:`~._link.LeaseRecorder` (lease records, the writer thread), in the same module;

@@ -6,7 +6,7 @@ which also holds the allocation table):
 
 * ``pool`` (:class:`~._records.AllocationPool`): unreferenced allocations
   by size class, handed out again;
-* ``leases`` (:class:`~._lease_table.LeaseTable`): taking, claiming and
+* ``leases`` (:class:`~._records.LeaseTable`): taking, claiming and
   releasing leases, who holds which, the consumers' journals, the ready
   events, deferred finalizer work;
 * ``consumers`` (:class:`~._records.Consumers`): who is connected;
@@ -36,9 +36,8 @@ from typing import Any
 from .. import _backends
 from .._errors import LeakWarning, ManagerClosedError
 from .._memory import Descriptor, Memory
-from ._lease_table import LeaseTable, check_alive
 from ._protocol import LOCAL, Alloc, Bye, Shutdown, Stats, Trim, owner_for, owners, warn
-from ._records import AllocationPool, AllocRecord, Consumers, Lease, OwnerState
+from ._records import AllocationPool, AllocRecord, Consumers, Lease, LeaseTable, OwnerState, check_alive
 from ._request_loop import Calls, RequestLoop
 from ._unmapper import Unmapper
 

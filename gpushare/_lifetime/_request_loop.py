@@ -25,7 +25,6 @@ from typing import Any
 
 from .._errors import DescriptorError, GpushareError, LeaseExpiredWarning, ManagerClosedError
 from .._service import Channel, Err, Handler, Ok, OkFd, Server, handles
-from ._lease_table import LeaseTable
 from ._protocol import (
     LEASE,
     Alloc,
@@ -45,7 +44,7 @@ from ._protocol import (
     log,
     warn,
 )
-from ._records import AllocationPool, Consumers, OwnerState, Peer
+from ._records import AllocationPool, Consumers, LeaseTable, OwnerState, Peer
 from ._unmapper import Unmapper
 
 __all__ = ["HOUSEKEEPING_INTERVAL", "RequestLoop"]

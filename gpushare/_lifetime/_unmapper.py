@@ -15,9 +15,8 @@ import time
 from collections.abc import Callable
 
 from .._errors import LeakWarning
-from ._lease_table import LeaseTable
 from ._protocol import Unmap, warn
-from ._records import AllocationPool, AllocRecord, Consumers, OwnerState
+from ._records import AllocationPool, AllocRecord, Consumers, LeaseTable, OwnerState
 
 __all__ = ["Unmapper"]
 
