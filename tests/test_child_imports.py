@@ -36,10 +36,12 @@ OWNER_SIDE = {
     "gpushare._manager",
 }
 #: The most gpushare modules a fresh child loads to get and read one host buffer.
-HOST_LIMIT = 17
-#: The same with a CUDA buffer: the host figure, less the host backend, plus the CUDA layer
-#: (its package and five modules), the CUDA backend with its shared base, and the ready events.
-CUDA_LIMIT = HOST_LIMIT - 1 + 6 + 2 + 1
+HOST_LIMIT = 15
+#: The same with a CUDA buffer: the host figure, less the host backend, plus the CUDA layer (its
+#: package, the five modules the package imports, and _queries, which loads with the driver) and
+#: the CUDA backend with its shared base. The ready events (_lifetime._ready) are not among them:
+#: they load only in a process that shares a CUDA buffer, and this child only receives one.
+CUDA_LIMIT = HOST_LIMIT - 1 + 7 + 2
 
 
 def _loaded_after_get(jobs, out) -> None:

@@ -19,7 +19,7 @@ import gpushare as mp
 PACKAGE = str(Path(mp.__file__).resolve().parent)
 
 #: The most gpushare modules one handoff runs through, both processes together.
-HANDOFF_LIMIT = 12
+HANDOFF_LIMIT = 10
 
 
 class _Trace:
