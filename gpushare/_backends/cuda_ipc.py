@@ -15,7 +15,7 @@ from .. import _cuda
 from . import _base
 from ._cudabase import CudaBackend, placement
 
-__all__ = ["CudaIpcBackend"]
+__all__ = ["FOREIGN_IPC", "CudaIpcBackend", "ForeignIpcBackend"]
 
 
 class CudaIpcBackend(CudaBackend):
@@ -56,3 +56,22 @@ class CudaIpcBackend(CudaBackend):
         caps = super().capabilities()
         caps["mechanism"] = "legacy CUDA IPC memory handles (cuIpcGetMemHandle / cuIpcOpenMemHandle)"
         return caps
+
+
+class ForeignIpcBackend(CudaIpcBackend):
+    """Memory another allocator owns (torch's caching allocator), shared by the same handles.
+
+    The owner never allocates or frees such memory: ``allocation.native`` holds what keeps
+    it allocated (a torch storage), and :meth:`free` drops that, once every importer has
+    closed its mapping. Receivers see an ordinary ``cuda_ipc`` descriptor.
+    """
+
+    def allocate(self, nbytes: int, device: int | None) -> _base.Allocation:
+        raise TypeError("foreign memory is adopted (Owner.share_foreign), never allocated by gpushare")
+
+    def free(self, allocation: _base.Allocation) -> None:
+        allocation.native = None  # the allocator that made it may now reuse it
+
+
+#: The one instance the owner's foreign records use.
+FOREIGN_IPC = ForeignIpcBackend()

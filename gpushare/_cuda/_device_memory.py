@@ -47,6 +47,23 @@ def address_range(ptr: int, ordinal: int) -> tuple[int, int]:
     return int(base), int(size)
 
 
+def segment_of(ptr: int, ordinal: int) -> tuple[int, int, int, bool]:
+    """The allocation that holds ``ptr`` (memory another allocator made, such as torch's):
+    ``(base, size, buffer id, legacy-IPC capable)``. The buffer id is unique in this process
+    for the allocation's life, so a later allocation at the same base has another."""
+    with on_device(ordinal) as driver:
+        base, size = _check("cuMemGetAddressRange", driver.cuMemGetAddressRange(ptr))
+        attrs = driver.CUpointer_attribute
+        buffer_id = _check(
+            "cuPointerGetAttribute", driver.cuPointerGetAttribute(attrs.CU_POINTER_ATTRIBUTE_BUFFER_ID, ptr)
+        )
+        capable = _check(
+            "cuPointerGetAttribute",
+            driver.cuPointerGetAttribute(attrs.CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, ptr),
+        )
+    return int(base), int(size), int(buffer_id), bool(capable)
+
+
 def pointer_device(ptr: int) -> int:
     driver = _load()
     attr = driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL

@@ -106,6 +106,8 @@ class Owner:
         self.consumers = Consumers()
         self.unmapper = Unmapper(state, self.pool, self.leases, self.consumers, unmap_timeout)
         self._ids = itertools.count(1)
+        # Foreign segments shared now, by (device, base, buffer id): see share_foreign.
+        self._foreign: dict[tuple[int, int, int], AllocRecord] = {}
         calls: Calls = {Alloc: self.allocate_for_peer, Stats: self.stats, Trim: self.trim, Shutdown: self.shutdown}
         self.loop = RequestLoop(
             state, self.token, self.authkey, self.leases, self.pool, self.unmapper, self.consumers, calls
@@ -159,6 +161,56 @@ class Owner:
         desc = Descriptor(
             chosen.name, self.token, self.address, record.alloc_id, record.generation, lease_id,
             a.nbytes, 0, a.device_uuid, handle, dtype, tuple(shape), b"",
+        )  # fmt: skip
+        return desc.to_bytes()
+
+    def share_foreign(self, ptr: int, nbytes: int, device: int, keep: Any, stream: int = 0) -> bytes:
+        """Descriptor bytes, under a new lease, of ``nbytes`` at ``ptr`` on ``device``: memory
+        another allocator made (torch's caching allocator) and ``keep`` keeps allocated.
+
+        The segment that holds it becomes a transient record shared by legacy IPC handles.
+        Each lease keeps its ``keep`` until released; the record's last one stays until every
+        importer has unmapped the segment, so the allocator can neither reuse the part nor
+        free the segment under a receiver. A segment whose leases all went is retired: the
+        next share of it makes a new record (receivers open it again). The ready event is
+        recorded on ``stream``."""
+        from .. import _cuda
+        from .._backends.cuda_ipc import FOREIGN_IPC
+        from .._errors import BackendUnavailableError
+
+        base, size, buffer_id, capable = _cuda.segment_of(ptr, device)
+        if not capable:
+            raise BackendUnavailableError(
+                f"the CUDA memory at {ptr:#x} (cuda:{device}) cannot be shared with legacy CUDA IPC handles: "
+                "it was not made by cudaMalloc. torch makes such memory with expandable segments "
+                "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True): unset that setting in the process "
+                "that allocates the tensors, or allocate them as gpushare buffers (Manager.empty, then "
+                "gpushare.torch.as_tensor)"
+            )
+        key = (device, base, buffer_id)
+        state = self._state
+        with state.lock:
+            if self._closed:
+                raise ManagerClosedError("the process's CUDA tensor sharing was shut down; it shares no more tensors")
+            record = self._foreign.get(key)
+            if record is None or record.dead or not record.leases:
+                allocation = _backends.Allocation("cuda_ipc", base, size, device, _cuda.device_uuid(device))
+                record = AllocRecord(next(self._ids), allocation, FOREIGN_IPC)
+                record.transient = True
+                record.label = f"a torch segment of {size} bytes on cuda:{device}"
+                state.records[record.alloc_id] = record
+                for stale in [k for k, r in self._foreign.items() if r.dead]:
+                    del self._foreign[stale]
+                self._foreign[key] = record
+        try:
+            lease_id, event, handle = self.leases.take(record, record.generation, stream=stream, keep=keep)
+        except BaseException:
+            with state.lock:
+                self.pool.offer(record)  # unused: freed if no other share took a lease on it
+            raise
+        desc = Descriptor(
+            "cuda_ipc", self.token, self.address, record.alloc_id, record.generation, lease_id,
+            size, ptr - base, record.allocation.device_uuid, handle, "|u1", (nbytes,), event,
         )  # fmt: skip
         return desc.to_bytes()
 

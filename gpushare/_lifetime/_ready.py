@@ -39,11 +39,12 @@ class ReadyEvents:
         self._events: dict[int, list[tuple[Any, bytes]]] = {}
         self._turn = itertools.count()
 
-    def record(self, device: int | None) -> bytes:
-        """Record the next event of ``device`` now and return its handle; b"" when the
-        default stream is idle (the receiver then has nothing to wait for)."""
+    def record(self, device: int | None, stream: int = 0) -> bytes:
+        """Record the next event of ``device`` on ``stream`` (0: the legacy default stream)
+        now and return its handle; b"" when that stream is idle (the receiver then has
+        nothing to wait for)."""
         assert device is not None
-        if _cuda.stream_idle(device):
+        if _cuda.stream_idle(device, stream):
             return b""
         with self._lock:
             events = self._events.setdefault(device, [])
@@ -52,7 +53,7 @@ class ReadyEvents:
                 event, handle = events[-1]
             else:
                 event, handle = events[next(self._turn) % READY_EVENTS]
-            _cuda.event_record(event, device)
+            _cuda.event_record(event, device, stream)
         return handle
 
     def close(self) -> None:

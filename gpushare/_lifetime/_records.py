@@ -100,14 +100,17 @@ class AllocRecord:
 class Lease:
     """One pickling of a buffer: a reference the receiving process claims."""
 
-    __slots__ = ("created", "generation", "holder", "lease_id", "quiet", "record")
+    __slots__ = ("created", "generation", "holder", "keep", "lease_id", "quiet", "record")
 
-    def __init__(self, lease_id: int, record: AllocRecord, generation: int, created: float) -> None:
+    def __init__(self, lease_id: int, record: AllocRecord, generation: int, created: float, keep: Any = None) -> None:
         self.lease_id = lease_id
         self.record = record
         self.generation = generation
         self.holder: int | None = None  # None: unclaimed; LOCAL; or a connection id
         self.created = created
+        # Foreign memory only: what keeps the leased part allocated (a torch storage),
+        # dropped when the lease goes (the record's last one keeps it as its anchor).
+        self.keep = keep
         # Expires without a warning and is dropped at shutdown: a Ray object's lease (read
         # many times or never, as Ray decides), or one that receivers leased through.
         self.quiet = False
@@ -369,11 +372,14 @@ class LeaseTable:
                 return refused
 
     # -- taking, claiming, releasing -----------------------------------------------------
-    def take(self, record: AllocRecord, generation: int, record_event: bool = True) -> tuple[int, bytes, bytes]:
+    def take(
+        self, record: AllocRecord, generation: int, record_event: bool = True, stream: int = 0, keep: Any = None
+    ) -> tuple[int, bytes, bytes]:
         """A new unclaimed lease on ``record`` (one pickling of a buffer): ``(lease id, ready
-        event, handle)``. The event is empty for host memory, or when ``record_event`` is
-        false (a re-sharing process records its own); the handle is what another process
-        maps the allocation with (exported on the first share)."""
+        event, handle)``. The event, recorded on ``stream`` (0: the legacy default stream), is
+        empty for host memory, or when ``record_event`` is false (a re-sharing process records
+        its own); the handle is what another process maps the allocation with (exported on
+        the first share). ``keep``: see ``Lease.keep``."""
         state = self._state
         with state.lock:
             # Not the journals: a new lease on an allocation the caller holds depends on
@@ -387,8 +393,8 @@ class LeaseTable:
                 raise DescriptorError("this buffer's allocation was recycled; it cannot be shared any more")
             allocation = record.allocation
             handle = allocation.handle = record.backend.export(allocation)
-            event = self.ready.record(allocation.device) if record_event and record.backend.is_cuda else b""
-            lease = Lease(next(self._ids), record, generation, time.monotonic())
+            event = self.ready.record(allocation.device, stream) if record_event and record.backend.is_cuda else b""
+            lease = Lease(next(self._ids), record, generation, time.monotonic(), keep)
             self._leases[lease.lease_id] = lease
             record.leases.add(lease.lease_id)
             return lease.lease_id, event, handle
@@ -438,13 +444,11 @@ class LeaseTable:
         lease = self._leases.get(lease_id)
         if lease is None or lease.holder != holder:
             return
-        del self._leases[lease_id]
-        lease.record.leases.discard(lease_id)
         if holder != LOCAL:
             held = self._held.get(holder)
             if held is not None:
                 held.discard(lease_id)
-        self._pool.offer(lease.record)
+        self._forget_locked(lease)
         self._state.cond.notify_all()
 
     def held_record_locked(self, holder: int, alloc_id: int) -> AllocRecord | None:
@@ -484,8 +488,14 @@ class LeaseTable:
 
     def _forget_locked(self, lease: Lease) -> None:
         del self._leases[lease.lease_id]
-        lease.record.leases.discard(lease.lease_id)
-        self._pool.offer(lease.record)
+        record = lease.record
+        record.leases.discard(lease.lease_id)
+        if lease.keep is not None and not record.leases:
+            # Foreign memory: the last lease's part stays allocated, and with it the
+            # allocation, until every importer has unmapped it (the backend's free drops it).
+            record.allocation.native = lease.keep
+        lease.keep = None
+        self._pool.offer(record)
 
     def unclaimed(self) -> int:
         return sum(1 for lease in self._leases.values() if lease.holder is None)

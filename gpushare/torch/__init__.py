@@ -35,12 +35,12 @@ except ImportError as exc:  # pragma: no cover - exercised where torch is missin
 
 import numpy as np
 
-from . import _loader
-from ._batch import SlotArray, SlotWriter
-from ._loader import SlotLoader
-from ._loader_workers import prepare_loaders
-from ._torch_trainer import TrainerWeights, train_in_set
-from ._torch_weights import (
+from .. import _loader
+from .._batch import SlotArray, SlotWriter
+from .._loader import SlotLoader
+from .._loader_workers import prepare_loaders
+from .._torch_trainer import TrainerWeights, train_in_set
+from .._torch_weights import (
     as_tensor,
     as_tensors,
     bind,

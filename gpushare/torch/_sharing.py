@@ -1,0 +1,159 @@
+"""CUDA tensors pickled with gpushare's lifetime (what gpushare.torch.multiprocessing installs).
+
+- Sending: a CUDA tensor's storage is leased from this process's :class:`Owner` as
+  foreign memory (``Owner.share_foreign``): the lease keeps the storage, so torch's
+  caching allocator cannot hand the block out again until every receiver let go. A
+  storage this process received is re-shared through its own owner's lease.
+- Receiving: the descriptor becomes a gpushare Buffer (a claimed lease on a mapping
+  cached per process), and the storage a torch tensor over it; the storage holds the
+  Buffer, so dropping the tensor, its views and its storage releases the lease.
+- CPU tensors, storages, nested and sparse tensors go to torch's own reducers.
+Why and the rules: docs/design.md, "torch tensors".
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from multiprocessing import current_process, util
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+
+import torch
+import torch.multiprocessing.reductions as _torch_reductions
+
+from .._buffer import Buffer, memory_of, rebuild_buffer, share_bytes
+
+__all__ = ["init_reductions", "rebuild_cuda_tensor", "reduce_tensor", "sharing_owner"]
+
+_owner: Any = None
+_owner_lock = threading.Lock()
+
+
+def sharing_owner() -> Any:
+    """This process's owner of the CUDA tensors it sends (made on first use, shut down at exit)."""
+    global _owner
+    owner = _owner
+    if owner is None:
+        with _owner_lock:
+            owner = _owner
+            if owner is None:
+                from .._lifetime._owner import Owner
+
+                owner = Owner(authkey=bytes(current_process().authkey))
+                # After pools and before queues announce their creator's exit, as a Manager's.
+                util.Finalize(None, owner.shutdown, exitpriority=12)
+                _owner = owner
+    return owner
+
+
+def _forget_owner() -> None:
+    global _owner
+    _owner = None
+
+
+os.register_at_fork(after_in_child=_forget_owner)
+
+
+class _Received:
+    """The memory of one received storage: torch's tensor over it holds this object (through
+    ``__cuda_array_interface__``), and this object holds the Buffer, and so its lease."""
+
+    __slots__ = ("__cuda_array_interface__", "__weakref__", "buffer")
+
+    def __init__(self, buffer: Buffer) -> None:
+        self.buffer = buffer
+        self.__cuda_array_interface__ = {
+            "shape": (buffer.nbytes,),
+            "typestr": "|u1",
+            "data": (buffer.ptr, False),
+            "strides": None,
+            "version": 3,
+            "stream": None,  # ordered below, on torch's current stream
+        }
+
+
+#: Storages received in this process, by their data pointer: re-sent through their owner.
+_received: dict[int, weakref.ref[_Received]] = {}
+
+
+def _storage_from(data: bytes) -> torch.UntypedStorage:
+    buffer = rebuild_buffer(data)
+    memory = memory_of(buffer)
+    device = memory.device
+    memory.order_stream(torch.cuda.current_stream(device).cuda_stream)
+    holder = _Received(buffer)
+    storage = torch.as_tensor(holder, device=torch.device("cuda", device)).untyped_storage()
+    key = storage.data_ptr()
+
+    def forget(ref: weakref.ref[_Received], key: int = key) -> None:
+        if _received.get(key) is ref:
+            del _received[key]
+
+    _received[key] = weakref.ref(holder, forget)
+    return storage
+
+
+def _share_storage(storage: torch.UntypedStorage) -> bytes:
+    """Descriptor bytes of ``storage``'s memory under a new lease."""
+    ref = _received.get(storage.data_ptr())
+    holder = ref() if ref is not None else None
+    if holder is not None and holder.buffer.nbytes == storage.nbytes():
+        return share_bytes(holder.buffer)
+    device = storage.device.index
+    stream = torch.cuda.current_stream(device).cuda_stream
+    return sharing_owner().share_foreign(storage.data_ptr(), storage.nbytes(), device, storage, stream)
+
+
+def reduce_tensor(tensor: torch.Tensor) -> tuple[Any, tuple[Any, ...]]:
+    """Pickle a tensor: a CUDA one by a gpushare lease, any other as torch does."""
+    if tensor.device.type != "cuda" or tensor.is_nested or tensor.layout != torch.strided:
+        return _torch_reductions.reduce_tensor(tensor)
+    if tensor.requires_grad and not tensor.is_leaf:
+        raise RuntimeError(
+            "Cowardly refusing to serialize non-leaf tensor which requires_grad, since autograd does not "
+            "support crossing process boundaries.  If you just want to transfer the data, call detach() "
+            "on the tensor before serializing (e.g., putting it on the queue)."
+        )
+    torch.utils.hooks.warn_if_has_hooks(tensor)
+    storage = tensor.untyped_storage()
+    if storage.nbytes() == 0:
+        data = None
+        uuid = str(torch.cuda.get_device_properties(storage.device).uuid)
+    else:
+        data, uuid = _share_storage(storage), None
+    args = (type(tensor), tuple(tensor.size()), tensor.stride(), tensor.storage_offset(), tensor.dtype)
+    return (rebuild_cuda_tensor, (*args, tensor.requires_grad, data, uuid))
+
+
+def rebuild_cuda_tensor(
+    cls: type, size: tuple[int, ...], stride: tuple[int, ...], offset: int, dtype: torch.dtype,
+    requires_grad: bool, data: bytes | None, uuid: str | None,
+) -> torch.Tensor:  # fmt: skip
+    """Unpickling side of :func:`reduce_tensor` for a CUDA tensor."""
+    if data is None:
+        storage = torch.UntypedStorage(0, device=_device_of_uuid(uuid))
+    else:
+        storage = _storage_from(data)
+    tensor = torch.empty((0,), dtype=dtype, device=storage.device)
+    tensor.set_(storage, offset, size, stride)
+    if cls is torch.nn.parameter.Parameter:
+        return torch.nn.parameter.Parameter(tensor, requires_grad=requires_grad)
+    tensor.requires_grad = requires_grad
+    return tensor
+
+
+def _device_of_uuid(uuid: str | None) -> torch.device:
+    for ordinal in range(torch.cuda.device_count()):
+        if str(torch.cuda.get_device_properties(ordinal).uuid) == uuid:
+            return torch.device("cuda", ordinal)
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def init_reductions() -> None:
+    """Register :func:`reduce_tensor` with multiprocessing's pickler for every tensor class,
+    after torch's own reducers (which it then stands in front of for CUDA tensors)."""
+    _torch_reductions.init_reductions()
+    for cls in (torch.Tensor, torch.nn.parameter.Parameter, *torch._tensor_classes):
+        ForkingPickler.register(cls, reduce_tensor)

@@ -1,0 +1,52 @@
+"""A drop-in for ``torch.multiprocessing`` whose CUDA tensors travel with gpushare's lifetime.
+
+::
+
+    import gpushare.torch.multiprocessing as mp    # in place of: import torch.multiprocessing as mp
+
+The names are torch.multiprocessing's: multiprocessing's (from gpushare, so ``Process``,
+``Queue``, ``Pool``, ``Pipe`` ... are gpushare's), the sharing strategies, ``spawn`` and
+``start_processes``. Importing it registers :func:`gpushare.torch._sharing.reduce_tensor`
+with multiprocessing's pickler, as importing torch.multiprocessing registers torch's:
+CPU tensors are shared as torch shares them, and a CUDA tensor's memory is leased, freed for
+reuse once every receiver let it go, with no ``torch.cuda.ipc_collect()``. What changes:
+docs/torch-multiprocessing.md.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as _multiprocessing
+
+from torch.multiprocessing import (
+    ProcessContext,
+    ProcessExitedException,
+    ProcessRaisedException,
+    SpawnContext,
+    get_all_sharing_strategies,
+    get_sharing_strategy,
+    set_sharing_strategy,
+    spawn,
+    start_processes,
+)
+
+import gpushare as _gpushare
+
+from ._sharing import init_reductions
+
+_NAMES = list(_multiprocessing.__all__)
+globals().update((name, getattr(_gpushare, name)) for name in _NAMES)
+
+init_reductions()
+
+__all__ = [
+    *_NAMES,
+    "ProcessContext",
+    "ProcessExitedException",
+    "ProcessRaisedException",
+    "SpawnContext",
+    "get_all_sharing_strategies",
+    "get_sharing_strategy",
+    "set_sharing_strategy",
+    "spawn",
+    "start_processes",
+]

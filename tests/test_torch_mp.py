@@ -1,0 +1,412 @@
+"""gpushare.torch.multiprocessing: torch.multiprocessing's names and behaviour, with CUDA tensors
+under gpushare's lifetime.
+
+Skipped where torch is not installed. The unmarked tests run with torch's CPU build (CPU
+tensors, shared as torch shares them); the ``gpu`` ones check the CUDA path: same memory,
+freed once every receiver let go with no ``ipc_collect()``, a SIGKILLed receiver's tensors
+back, the producer's exit, expandable segments, and (``multigpu``) the device by UUID.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import subprocess_env, wait_until
+
+torch = pytest.importorskip("torch")
+
+import torch.multiprocessing as tmp  # noqa: E402
+
+import gpushare.torch.multiprocessing as mp  # noqa: E402
+from gpushare import OwnerGoneError  # noqa: E402
+
+MiB = 1 << 20
+
+
+# -- children (module level: spawn imports them by name) --------------------------------------
+
+
+def add_one(q, out) -> None:
+    t = q.get(timeout=60)
+    t.add_(1)
+    if t.is_cuda:
+        torch.cuda.synchronize()
+    out.put("done")
+    q.get(timeout=60)  # hold it until the parent has looked
+
+
+def describe_tensors(q, out) -> None:
+    for _ in range(int(q.get(timeout=60))):
+        t = q.get(timeout=60)
+        out.put(
+            (type(t).__name__, tuple(t.shape), t.stride(), t.storage_offset(), t.requires_grad, t.dtype,
+             t.cpu().tolist(), str(t.device))
+        )  # fmt: skip
+
+
+def pipe_echo(conn) -> None:
+    t = conn.recv()
+    conn.send(t * 2)
+    conn.recv()  # a CPU tensor's fd is fetched from its sender: stay until it is received
+    conn.close()
+
+
+def twice(t):
+    return t * 2
+
+
+def hold_then_drop(q, out, n) -> None:
+    held = [q.get(timeout=60) for _ in range(n)]
+    out.put(sum(float(t.sum().item()) for t in held))
+    q.get(timeout=60)  # the parent's signal: drop them
+    del held
+    out.put("dropped")
+    q.get(timeout=60)
+
+
+def hold_forever(q, out, n) -> None:
+    held = [q.get(timeout=60) for _ in range(n)]
+    torch.cuda.synchronize()
+    out.put(len(held))
+    time.sleep(600)
+
+
+def relay(inq, outq, n) -> None:
+    for _ in range(n):
+        outq.put(inq.get(timeout=120))
+
+
+def sink(q, out, n) -> None:
+    total = 0.0
+    for _ in range(n):
+        total += float(q.get(timeout=120).sum().item())
+    out.put(total)
+
+
+def actor(weights, results, steps) -> None:
+    for _ in range(steps):
+        state = weights.get(timeout=60)
+        results.put(float(sum(v.sum().item() for v in state.values())))
+
+
+def receive_then_get(q, report) -> None:
+    """Receive a tensor, read it, then wait on the queue; write what happened to ``report``."""
+    t = q.get(timeout=60)
+    with open(report + ".got", "w") as f:
+        f.write(str(float(t.sum().item())))
+    try:
+        q.get(timeout=30)
+        verdict = "an item"
+    except OwnerGoneError:
+        verdict = "OwnerGoneError"
+    except Exception as exc:
+        verdict = type(exc).__name__
+    with open(report, "w") as f:
+        f.write(f"{verdict} {time.time()}")
+
+
+# -- names ---------------------------------------------------------------------------------------
+
+
+def test_it_has_every_name_of_torch_multiprocessing() -> None:
+    assert set(tmp.__all__) <= set(mp.__all__)
+    for name in ("spawn", "start_processes", "get_sharing_strategy", "set_sharing_strategy",
+                 "get_all_sharing_strategies", "Process", "Queue", "SimpleQueue", "Pool", "Pipe", "Event",
+                 "get_context"):  # fmt: skip
+        assert callable(getattr(mp, name)), name
+    assert mp.get_all_sharing_strategies() == tmp.get_all_sharing_strategies()
+    assert mp.Queue is not tmp.Queue  # gpushare's
+
+
+# -- CPU tensors: as torch shares them ---------------------------------------------------------
+
+
+def test_a_cpu_tensor_written_in_a_child_is_seen_by_the_parent(reap) -> None:
+    q, out = mp.Queue(), mp.Queue()
+    proc = mp.Process(target=add_one, args=(q, out))
+    proc.start()
+    reap.append(proc)
+    t = torch.zeros(5)
+    q.put(t)  # torch moves it to shared memory, as torch.multiprocessing does
+    assert out.get(timeout=60) == "done"
+    assert t.tolist() == [1.0] * 5
+    q.put(None)
+    proc.join(30)
+    assert proc.exitcode == 0
+
+
+def test_views_parameters_and_requires_grad_arrive_as_torch_delivers_them(reap) -> None:
+    q, out = mp.Queue(), mp.Queue()
+    proc = mp.Process(target=describe_tensors, args=(q, out))
+    proc.start()
+    reap.append(proc)
+    base = torch.arange(12.0).reshape(3, 4)
+    items = [base.t(), base[1:, 2:], torch.nn.Parameter(torch.ones(2)), torch.ones(3, requires_grad=True)]
+    q.put(len(items))
+    for item in items:
+        q.put(item)
+    got = [out.get(timeout=60) for _ in items]
+    assert got[0][1:4] == ((4, 3), (1, 4), 0)
+    assert got[0][6] == base.t().tolist()
+    assert got[1][1:4] == ((2, 2), (4, 1), 6)
+    assert got[2][0] == "Parameter" and got[2][4] is True
+    assert got[3][4] is True
+    proc.join(30)
+
+
+def test_a_non_leaf_tensor_that_requires_grad_is_refused_as_torch_refuses_it() -> None:
+    q = mp.Queue()
+    x = torch.ones(2, requires_grad=True) * 2
+    with pytest.raises(RuntimeError, match="non-leaf tensor which requires_grad"):
+        q.put(x)
+
+
+def test_cpu_tensors_through_a_pipe_and_a_pool(reap) -> None:
+    parent, child = mp.Pipe()
+    proc = mp.Process(target=pipe_echo, args=(child,))
+    proc.start()
+    reap.append(proc)
+    parent.send(torch.ones(3))
+    assert parent.recv().tolist() == [2.0, 2.0, 2.0]
+    parent.send(None)
+    proc.join(30)
+    with mp.Pool(2) as pool:
+        assert [t.tolist() for t in pool.map(twice, [torch.ones(2), torch.zeros(2)])] == [[2.0, 2.0], [0.0, 0.0]]
+
+
+def test_a_learner_and_actors_exchange_state_dicts_on_a_bounded_queue_without_deadlock(reap) -> None:
+    weights, results = mp.Queue(maxsize=2), mp.Queue()
+    steps, n_actors = 20, 2
+    actors = [mp.Process(target=actor, args=(weights, results, steps)) for _ in range(n_actors)]
+    for proc in actors:
+        proc.start()
+        reap.append(proc)
+    model = torch.nn.Linear(4, 4)
+    for _ in range(steps * n_actors):
+        weights.put({k: v.detach().clone() for k, v in model.state_dict().items()})
+    sums = [results.get(timeout=60) for _ in range(steps * n_actors)]
+    assert len(sums) == steps * n_actors
+    for proc in actors:
+        proc.join(30)
+        assert proc.exitcode == 0
+
+
+# -- CUDA tensors: gpushare's lifetime ---------------------------------------------------------
+
+
+def _allocated() -> int:
+    return torch.cuda.memory_allocated()
+
+
+@pytest.mark.gpu
+def test_gpu_a_cuda_tensor_written_in_a_child_is_seen_by_the_parent(reap) -> None:
+    q, out = mp.Queue(), mp.Queue()
+    proc = mp.Process(target=add_one, args=(q, out))
+    proc.start()
+    reap.append(proc)
+    t = torch.zeros(1000, device="cuda")
+    q.put(t[10:20])
+    assert out.get(timeout=60) == "done"
+    assert t[10:20].tolist() == [1.0] * 10
+    assert t[:10].sum().item() == 0 and t[20:].sum().item() == 0
+    q.put(None)
+    proc.join(30)
+    assert proc.exitcode == 0
+
+
+@pytest.mark.gpu
+def test_gpu_views_parameters_and_stream_order_arrive_as_torch_delivers_them(reap) -> None:
+    q, out = mp.Queue(), mp.Queue()
+    proc = mp.Process(target=describe_tensors, args=(q, out))
+    proc.start()
+    reap.append(proc)
+    base = torch.arange(12.0, device="cuda").reshape(3, 4)
+    late = torch.zeros(1 << 20, device="cuda")
+    torch.cuda._sleep(200_000_000)  # the fill below runs long after put() returns
+    late.fill_(3.0)
+    items = [late, base.t(), base[1:, 2:], torch.nn.Parameter(torch.ones(2, device="cuda")),
+             torch.empty(0, device="cuda")]  # fmt: skip
+    q.put(len(items))
+    for item in items:
+        q.put(item)
+    got = [out.get(timeout=60) for _ in items]
+    assert got[0][6] == [3.0] * (1 << 20)  # ordered after the producer's queued work
+    assert got[1][1:4] == ((4, 3), (1, 4), 0) and got[1][6] == base.t().tolist()
+    assert got[2][1:4] == ((2, 2), (4, 1), 6) and got[2][6] == base[1:, 2:].tolist()
+    assert got[3][0] == "Parameter" and got[3][4] is True
+    assert got[4][1] == (0,) and got[4][7].startswith("cuda")
+    proc.join(30)
+
+
+@pytest.mark.gpu
+def test_gpu_a_tensor_sent_to_four_consumers_that_drop_it_is_free_within_2_s(reap) -> None:
+    before = _allocated()
+    t = torch.ones(64 * MiB, device="cuda")  # 256 MiB
+    qs, out = [mp.Queue() for _ in range(4)], mp.Queue()
+    procs = [mp.Process(target=hold_then_drop, args=(q, out, 1)) for q in qs]
+    for proc in procs:
+        proc.start()
+        reap.append(proc)
+    for q in qs:
+        q.put(t)
+    assert [out.get(timeout=60) for _ in procs] == [64.0 * MiB] * 4
+    del t
+    assert _allocated() >= before + 256 * MiB  # held by the consumers' leases
+    for q in qs:
+        q.put("drop")
+    assert [out.get(timeout=60) for _ in procs] == ["dropped"] * 4
+    start = time.monotonic()
+    wait_until(lambda: _allocated() <= before, timeout=2.0)
+    print(f"free {time.monotonic() - start:.3f} s after the last drop")
+    for q in qs:
+        q.put(None)
+
+
+@pytest.mark.gpu
+def test_gpu_a_sigkilled_consumers_tensors_are_free_within_2_s(reap) -> None:
+    before = _allocated()
+    q, out = mp.Queue(), mp.Queue()
+    proc = mp.Process(target=hold_forever, args=(q, out, 8))
+    proc.start()
+    reap.append(proc)
+    for _ in range(8):
+        q.put(torch.ones(16 * MiB, device="cuda"))  # 64 MiB each, dropped here at once
+    assert out.get(timeout=60) == 8
+    assert _allocated() >= before + 512 * MiB
+    os.kill(proc.pid, signal.SIGKILL)
+    start = time.monotonic()
+    wait_until(lambda: _allocated() <= before, timeout=2.0)
+    print(f"free {time.monotonic() - start:.3f} s after SIGKILL")
+
+
+@pytest.mark.gpu
+def test_gpu_a_thousand_sends_leave_memory_fds_and_threads_flat(reap) -> None:
+    import threading
+
+    q, out = mp.Queue(maxsize=8), mp.Queue()
+    n = 1000
+    proc = mp.Process(target=sink, args=(q, out, n + 100))
+    proc.start()
+    reap.append(proc)
+    for _ in range(100):  # warm-up: ready events, the consumer's link, torch's pools
+        q.put(torch.ones(256 * 1024, device="cuda"))
+    time.sleep(0.5)
+    torch.cuda.reset_peak_memory_stats()
+    base_alloc, base_fds, base_threads = _allocated(), len(os.listdir("/proc/self/fd")), threading.active_count()
+    for _ in range(n):
+        q.put(torch.ones(256 * 1024, device="cuda"))  # 1 MiB, fresh each time
+    assert out.get(timeout=120) == float((n + 100) * 256 * 1024)
+    wait_until(lambda: _allocated() <= base_alloc, timeout=2.0)
+    peak = torch.cuda.max_memory_allocated() - base_alloc
+    assert peak <= 16 * MiB, f"peak {peak / MiB:.1f} MiB above the start over {n} sends"
+    assert len(os.listdir("/proc/self/fd")) <= base_fds + 2
+    assert threading.active_count() <= base_threads
+    proc.join(30)
+
+
+@pytest.mark.gpu
+def test_gpu_many_small_tensors_through_three_processes(reap) -> None:
+    n = 20_000
+    a, b, out = mp.Queue(maxsize=64), mp.Queue(maxsize=64), mp.Queue()
+    procs = [mp.Process(target=relay, args=(a, b, n)), mp.Process(target=sink, args=(b, out, n))]
+    for proc in procs:
+        proc.start()
+        reap.append(proc)
+    for i in range(n):
+        a.put(torch.full((4,), float(i % 7), device="cuda"))
+    assert out.get(timeout=300) == 4.0 * sum(i % 7 for i in range(n))
+    for proc in procs:
+        proc.join(30)
+        assert proc.exitcode == 0
+
+
+_PRODUCER = """
+import os, sys, time, torch
+sys.path.insert(0, {tests!r})
+import gpushare.torch.multiprocessing as mp
+from test_torch_mp import receive_then_get
+if __name__ == "__main__":
+    q = mp.Queue()
+    reports = [os.path.join({folder!r}, str(i)) for i in range(4)]
+    procs = [mp.Process(target=receive_then_get, args=(q, r)) for r in reports]
+    for p in procs:
+        p.start()
+    t = torch.full((1024,), 2.0, device="cuda")
+    for _ in procs:
+        q.put(t)
+    while not all(os.path.exists(r + ".got") for r in reports):
+        time.sleep(0.01)
+    print("ended", time.time(), flush=True)
+"""
+
+
+@pytest.mark.gpu
+def test_gpu_consumers_of_an_exited_producer_get_owner_gone_on_their_next_get(tmp_path) -> None:
+    """The producer returns while 4 consumers hold its tensor: no crash, no hang, and each
+    consumer's pending ``get`` raises OwnerGoneError within a second of the producer's end."""
+    script = tmp_path / "producer.py"
+    script.write_text(_PRODUCER.format(tests=os.path.dirname(__file__), folder=str(tmp_path)))
+    proc = subprocess.run([sys.executable, str(script)], env=subprocess_env(), capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    ended = float(proc.stdout.split("ended")[1].split()[0])
+    for i in range(4):
+        assert (tmp_path / f"{i}.got").read_text() == "2048.0"
+        verdict, when = (tmp_path / str(i)).read_text().split()
+        assert verdict == "OwnerGoneError"
+        print(f"consumer {i}: OwnerGoneError {float(when) - ended:.2f} s after the producer's main ended")
+        # The producer's exit first waits (bounded, 5 s) for the leases the consumers hold.
+        assert float(when) - ended < 5.0 + 1.0
+
+
+_EXPANDABLE = """
+import torch
+import gpushare.torch.multiprocessing as mp
+if __name__ == "__main__":
+    q = mp.Queue()
+    try:
+        q.put(torch.ones(1024, device="cuda"))
+    except Exception as exc:
+        print(type(exc).__name__, exc)
+"""
+
+
+@pytest.mark.gpu
+def test_gpu_expandable_segments_fail_with_an_error_that_names_the_setting(tmp_path) -> None:
+    script = tmp_path / "expandable.py"
+    script.write_text(_EXPANDABLE)
+    env = subprocess_env()
+    env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "expandable_segments" in proc.stdout, proc.stdout + proc.stderr
+
+
+def report_device(q, out) -> None:
+    t = q.get(timeout=60)
+    out.put((str(torch.cuda.get_device_properties(t.device).uuid), t.sum().item()))
+
+
+@pytest.mark.multigpu
+def test_multigpu_a_tensor_arrives_on_the_same_gpu_under_another_device_order(reap) -> None:
+    uuid = str(torch.cuda.get_device_properties(1).uuid)
+    q, out = mp.Queue(), mp.Queue()
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = "1,0"
+    try:
+        proc = mp.Process(target=report_device, args=(q, out))
+        proc.start()
+    finally:
+        if saved is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
+    reap.append(proc)
+    q.put(torch.full((8,), 1.5, device="cuda:1"))
+    assert out.get(timeout=60) == (uuid, 12.0)
+    proc.join(30)
