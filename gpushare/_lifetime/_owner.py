@@ -190,6 +190,9 @@ class Owner:
         key = (device, base, buffer_id)
         state = self._state
         with state.lock:
+            # The receivers' journalled releases first: their parts go back to torch's
+            # allocator now, as pooled allocations go back before each Manager allocation.
+            self.leases.catch_up_locked()
             if self._closed:
                 raise ManagerClosedError("the process's CUDA tensor sharing was shut down; it shares no more tensors")
             record = self._foreign.get(key)

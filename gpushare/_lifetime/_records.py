@@ -430,7 +430,8 @@ class LeaseTable:
                 lease.quiet = True
         if lease is None or not held:
             raise DescriptorError(f"allocation {alloc_id} is not leased to this process")
-        return self.take(lease.record, generation, record_event=False)[0]
+        # Foreign memory: the new lease keeps the part allocated too, whoever lets go first.
+        return self.take(lease.record, generation, record_event=False, keep=lease.keep)[0]
 
     def quiet(self, lease_id: int) -> None:
         """Mark an unclaimed lease quiet (see ``Lease.quiet``): a Ray object's."""
