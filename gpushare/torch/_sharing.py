@@ -82,6 +82,7 @@ def _storage_from(data: bytes) -> torch.UntypedStorage:
     buffer = rebuild_buffer(data)
     memory = memory_of(buffer)
     device = memory.device
+    assert device is not None  # a CUDA tensor's storage is device memory
     memory.order_stream(torch.cuda.current_stream(device).cuda_stream)
     holder = _Received(buffer)
     storage = torch.as_tensor(holder, device=torch.device("cuda", device)).untyped_storage()
@@ -155,5 +156,6 @@ def init_reductions() -> None:
     """Register :func:`reduce_tensor` with multiprocessing's pickler for every tensor class,
     after torch's own reducers (which it then stands in front of for CUDA tensors)."""
     _torch_reductions.init_reductions()
-    for cls in (torch.Tensor, torch.nn.parameter.Parameter, *torch._tensor_classes):
+    classes: list[type] = [torch.Tensor, torch.nn.parameter.Parameter, *torch._tensor_classes]
+    for cls in classes:
         ForkingPickler.register(cls, reduce_tensor)
