@@ -180,6 +180,21 @@ What one iteration is, per scenario (one producer, N consumer processes):
     memory and device memory; every batch checked on the GPU. Targets:
     >= 1.2x torch's batches/s, first batch <= torch's, staging <= torch's
     pinned buffers.
+``torch_mp``
+    Only with a GPU and torch. ``import torch.multiprocessing as mp`` against ``import
+    gpushare.torch.multiprocessing as mp``: a 1 MiB and a 64 MiB float32 CUDA tensor through
+    one Queue per consumer (``handoff_per_queue``'s pattern: the producer puts it on each
+    consumer's Queue and waits for every ack; a consumer reads ``t.data_ptr()``, drops it,
+    acks), *recycled* (the same tensor) and *fresh* (``torch.empty`` per iteration), to 1, 4
+    and 8 consumers (``--consumers`` when given): one table per size and case
+    (``torch_mp_1mib_recycled`` ... ``torch_mp_64mib_fresh``), torch's column as the floor.
+    Targets: recycled <= 0.5x torch's time, fresh <= 1x. ``torch_mp_memory``: 1,000 sends
+    of a fresh 1 MiB tensor to one consumer, the producer's ``memory_allocated()`` before,
+    ``max_memory_allocated()`` over them, and the allocated memory at the last ack and 2 s
+    later; target: gpushare's peak <= 16 MiB above its start. No ``ipc_collect()`` anywhere.
+    Importing gpushare.torch.multiprocessing changes how the whole process pickles tensors, so
+    each cell runs in a spawned producer process of its own that imports only its system's
+    module, its consumers too, and each checks the reducer registered for ``torch.Tensor``.
 ``host``
     A 64 MiB float32 array on the host backend (always runs, GPU or not):
     a gpushare host buffer written in place, the same buffer refilled with

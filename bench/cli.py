@@ -102,7 +102,8 @@ def _parse(argv: list[str] | None) -> Config:
         description="Measure gpushare's buffer handoff (one column per backend) against multiprocessing floors, "
         "torch.multiprocessing and cuda.core, its ring's fan-out and pipelined throughput, and the bandwidth of "
         "kernels reading mapped memory (same GPU; peer GPU with two), and its start-up (import, Process, Manager, "
-        "first buffer) against the stdlib's; write report.md, report.json and the plot benchmarks.png.",
+        "first buffer) against the stdlib's, and gpushare.torch.multiprocessing against torch.multiprocessing; "
+        "write report.md, report.json and the plot benchmarks.png.",
     )
     parser.add_argument(
         "--out",

@@ -1045,3 +1045,178 @@ def test_dataloader_sample_scenarios_are_skipped_cleanly_without_cuda(
     assert bench.tasks == []
     for key in keys:
         assert bench.scenarios[key].skipped == f"torch {torch.__version__} sees no CUDA device", key
+
+
+# -- torch_mp ----------------------------------------------------------------------------------
+
+
+def _torch_mp_bench(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *args: str) -> Any:
+    """``torch_mp`` planned on the CPU (CPU tensors: the plumbing, not the figures), small counts."""
+    from bench.runner import Bench
+    from bench.scenarios import torch_mp as tm
+
+    monkeypatch.setattr(tm, "DEVICE", "cpu")
+    monkeypatch.setattr(tm, "SIZES", (64 * 1024,))
+    monkeypatch.setattr(tm, "MEMORY_SENDS", 12)
+    parsed = cli._parse(["--backend", "host", "--quick", "--iters", "4", "--out", str(tmp_path), *args])
+    bench = Bench(dataclasses.replace(parsed, only=frozenset([tm.KEY])))
+    bench.probe()
+    bench.plan()
+    return bench
+
+
+def test_torch_mp_is_registered_and_skipped_cleanly_without_cuda(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real run of the CLI on the host: every table of the scenario is listed as skipped with the
+    reason and nothing runs; where torch sees no CUDA device, that is the reason."""
+    from bench.scenarios import torch_mp as tm
+
+    assert "torch_mp" in MODULES and cli.SCENARIO_KEYS.count(tm.KEY) == 1
+    keys = [tm.case_key(n, fresh) for n, fresh in tm.cases()] + [tm.MEMORY_KEY]
+    assert keys == [
+        "torch_mp_1mib_recycled",
+        "torch_mp_1mib_fresh",
+        "torch_mp_64mib_recycled",
+        "torch_mp_64mib_fresh",
+        "torch_mp_memory",
+    ]
+    done = _bench(tmp_path, "--only", "torch_mp", timeout=100)
+    assert done.returncode == 0 and ": ERROR" not in done.stderr, done.stderr
+    assert "] torch_mp_" not in done.stderr  # no cell was attempted
+    report = json.loads((tmp_path / "report.json").read_text(encoding="utf-8"))
+    assert [key for key in report["scenarios"] if key != "floors"] == keys
+    markdown = (tmp_path / "report.md").read_text(encoding="utf-8")
+    assert tm.HOW in markdown
+    for key in keys:
+        assert report["scenarios"][key]["skipped"].startswith("run with the host backend"), key
+        assert f"`{key}`: skipped: run with the host backend" in markdown
+    assert report["scenarios"]["torch_mp_1mib_recycled"]["rows"] == ["1", "4", "8"]  # the default counts
+
+    torch = pytest.importorskip("torch")
+    from bench.runner import Bench
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    bench = Bench(dataclasses.replace(cli._parse(["--quick", "--consumers", "2,3"]), only=frozenset([tm.KEY])))
+    bench.probe()
+    bench.gpu_reason = None  # as on a machine with a GPU whose torch has no CUDA
+    bench.plan()
+    assert bench.tasks == []
+    for key in keys:
+        assert bench.scenarios[key].skipped == f"torch {torch.__version__} sees no CUDA device", key
+    assert bench.scenarios["torch_mp_64mib_fresh"].rows == ["2", "3"]  # --consumers given
+
+
+def test_torch_mp_processes_import_only_their_own_systems_module() -> None:
+    """What keeps the two systems apart: the bench's modules import neither system's reducer into
+    play, a torch.multiprocessing process never imports gpushare.torch.multiprocessing, and a process
+    that imported it cannot pass for torch's (the check every producer and consumer makes first)."""
+    pytest.importorskip("torch")
+    script = """
+import sys
+import bench.cli  # every scenario module, as every spawned child of the bench imports them
+from bench.scenarios import torch_mp as tm
+from bench.settings import BenchError
+assert tm.MODULES[tm.GS_MP] not in sys.modules
+tm.system_module(tm.TORCH_MP)  # imports torch.multiprocessing alone and checks the reducer
+assert tm.MODULES[tm.GS_MP] not in sys.modules
+try:
+    tm.check_system(tm.GS_MP)
+except BenchError as exc:
+    print("gpushare refused:", exc)
+tm.system_module(tm.GS_MP)
+try:
+    tm.check_system(tm.TORCH_MP)
+except BenchError as exc:
+    print("torch refused:", exc)
+"""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=100, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("gpushare refused: gpushare.torch.multiprocessing: torch.Tensor is pickled by "
+                               "torch.multiprocessing.reductions.reduce_tensor"), lines  # fmt: skip
+    assert lines[1].startswith("torch refused: torch.multiprocessing: torch.Tensor is pickled by "
+                               "gpushare.torch._sharing.reduce_tensor"), lines  # fmt: skip
+    assert len(lines) == 2, lines
+
+
+@pytest.mark.timeout(150)
+def test_torch_mp_cases_run_each_system_in_a_producer_of_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The plumbing on the CPU: both systems, recycled and fresh, to 2 consumers with a Queue each, each
+    cell in its own producer process (whose consumers check their imports: a mix fails the cell); the
+    tables render with torch's column as the floor and the targets on gpushare's."""
+    pytest.importorskip("torch")
+    from bench.scenarios import torch_mp as tm
+
+    bench = _torch_mp_bench(tmp_path, monkeypatch, "--consumers", "2")
+    recycled, fresh = "torch_mp_64kib_recycled", "torch_mp_64kib_fresh"
+    assert [(t.scenario, t.system, t.row) for t in bench.tasks] == [
+        (key, system, "2") for key in (recycled, fresh) for system in tm.SYSTEMS
+    ] + [(tm.MEMORY_KEY, system, "1") for system in tm.SYSTEMS]
+    bench.tasks = [t for t in bench.tasks if t.scenario != tm.MEMORY_KEY]  # the next test runs those
+    bench.run()
+    cli.write_reports(bench, str(tmp_path))
+    report = json.loads((tmp_path / "report.json").read_text(encoding="utf-8"))
+    for key, limit in ((recycled, tm.RECYCLED_TARGET), (fresh, tm.FRESH_TARGET)):
+        scenario = report["scenarios"][key]
+        assert scenario["floor"] == [key, tm.TORCH_MP] and scenario["target_systems"] == [tm.GS_MP]
+        for system in tm.SYSTEMS:
+            series = scenario["systems"][system]
+            assert series["errors"] == {} and series["skipped"] is None, series
+            assert series["cells"]["2"]["n"] == 4, series
+        assert scenario["targets"]["2"]["limit"] == limit
+    markdown = (tmp_path / "report.md").read_text(encoding="utf-8")
+    assert "## 64 KiB CPU tensor to N consumers, one Queue each, the same tensor every iteration" in markdown
+    header = f"| consumers | floor ({tm.TORCH_MP}) | {tm.GS_MP} | {tm.GS_MP} / floor | target | {tm.GS_MP}: target |"
+    assert markdown.count(header) == 2, markdown
+
+
+@pytest.mark.timeout(150)
+def test_torch_mp_memory_cells_run_and_their_figures_render(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The memory cells on the CPU (per-send samples, no device memory: a note); then the table and
+    gpushare's flatness check from figures as a GPU run records them, in both reports."""
+    pytest.importorskip("torch")
+    from bench import report_json, report_md
+    from bench.scenarios import torch_mp as tm
+
+    bench = _torch_mp_bench(tmp_path, monkeypatch, "--consumers", "2")
+    bench.tasks = [t for t in bench.tasks if t.scenario == tm.MEMORY_KEY]
+    bench.run()
+    memory = bench.scenarios[tm.MEMORY_KEY]
+    for system in tm.SYSTEMS:
+        series = memory.systems[system]
+        assert series.errors == {} and series.cells["1"].n == 12, series
+        assert f"{system}: no device memory to read (CPU tensors)." in memory.notes
+    assert memory.tables == [] and memory.checks == []
+
+    def figures(before: float, peak: float, settled: float) -> dict[str, float]:
+        return {"sends": 1000.0, "before_mib": before, "peak_mib": peak, "last_ack_mib": settled,
+                "settled_mib": settled}  # fmt: skip
+
+    memory.details["producer_memory"] = {tm.GS_MP: figures(0.0, 3.0, 0.0)}
+    tm.refresh_memory(memory)
+    (check,) = memory.checks
+    assert (check.met, check.measured) == (True, "+3.0 MiB")
+    memory.details["producer_memory"][tm.TORCH_MP] = figures(0.0, 1000.0, 1.0)
+    tm.refresh_memory(memory)
+    (check,) = memory.checks
+    assert (check.met, check.measured) == (True, f"+3.0 MiB; {tm.TORCH_MP}: +1,000.0 MiB")
+    (table,) = memory.tables
+    assert [row[0] for row in table.rows] == list(tm.SYSTEMS)
+    assert table.rows[0][1:] == ["0.0", "1,000.0", "+1,000.0", "1.0", "1.0"]
+    memory.details["producer_memory"][tm.GS_MP] = figures(2.0, 30.0, 2.0)
+    tm.refresh_memory(memory)
+    assert memory.checks[0].met is False
+
+    markdown = "\n".join(report_md._render_scenario(bench.scenarios, memory))
+    assert f"- Target, consumers 1: {check.text}: not met (+28.0 MiB; {tm.TORCH_MP}: +1,000.0 MiB)." in markdown
+    assert f"| {tm.TORCH_MP} | 0.0 | 1,000.0 | +1,000.0 | 1.0 | 1.0 |" in markdown
+    assert f"| {tm.GS_MP} | 2.0 | 30.0 | +28.0 | 2.0 | 2.0 |" in markdown
+    # --render draws the same from the JSON alone
+    again = report_json.scenarios_from_json(report_json.render_json(bench.scenarios, bench.meta))
+    assert "\n".join(report_md._render_scenario(again, again[tm.MEMORY_KEY])) == markdown

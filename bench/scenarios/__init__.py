@@ -26,6 +26,7 @@ MODULES = (
     "dataloader_gpu",
     "dataloader_cpu",
     "weight_sync",
+    "torch_mp",
 )
 
 
