@@ -28,19 +28,7 @@ from multiprocessing.reduction import DupFd, ForkingPickler
 from ._buffer import Buffer, queue_pickle
 from ._errors import OwnerGoneError
 from ._process import dumps, main_guard_error, stopped_by_main_guard
-from ._shmring import (
-    GET_EVENT,
-    GET_WAITERS,
-    JOIN_WAITERS,
-    KIND_DATA,
-    KIND_SPILL,
-    PUT_EVENT,
-    PUT_WAITERS,
-    TASK_EVENT,
-    Region,
-    spill_read,
-    spill_write,
-)
+from ._shmring import FULL, KIND_DATA, KIND_SPILL, Region, spill_read, spill_write
 
 # typing is not imported at run time: it is a measurable share of a child's start (see gpushare._seams).
 TYPE_CHECKING = False
@@ -95,7 +83,11 @@ EXIT_GRACE = 0.5  # after the end-of-queue marker, seconds get() waits for items
 # before the backlog's close (CLOSE_PRIORITY), whose thread then writes it behind the rest.
 EXIT_PRIORITY = 10
 CLOSE_PRIORITY = 9
-SPIN = 200  # looks at the ring, without the lock, before a get() sleeps (a reply is often that near)
+SPIN = 50  # looks at the ring, without the lock and yielding the CPU, before a get() sleeps
+
+
+def _no_yield() -> None:
+    time.sleep(0)
 
 
 class _CreatorExited:
@@ -126,11 +118,11 @@ class _Backlog:
         self.closing = False
         self.thread: threading.Thread | None = None
 
-    def push_locked(self, data: bytes, kind: int) -> bool:
-        """Append (the region's lock held); True when this started the thread."""
-        self.items.append((data, kind))
+    def push(self, data: bytes, kind: int) -> bool:
+        """Append; True when this started the thread."""
         started = False
         with self.cond:
+            self.items.append((data, kind))
             if self.thread is None or not self.thread.is_alive():
                 self.thread = threading.Thread(target=self._feed, name="QueueFeederThread", daemon=True)
                 self.thread.start()
@@ -157,21 +149,14 @@ class _Backlog:
                 if not items:
                     return
             data, kind = items[0]
-            counted = False
             while True:
-                region.lock()
-                try:
-                    if counted:
-                        region.add_locked(PUT_WAITERS, -1)
-                    if region.write_locked(data, kind, region.state(), 0):
-                        items.popleft()
-                        break
-                    value = region.word(GET_EVENT)
-                    region.add_locked(PUT_WAITERS, 1)
-                    counted = True
-                finally:
-                    region.unlock()
-                region.wait(GET_EVENT, value, WATCH_INTERVAL)
+                seen = region.cseq.value  # before the try: a get after it wakes the wait below
+                if not region.try_put(data, kind, 0, 0, 0):
+                    items.popleft()
+                    break
+                region.count_waiter("p", region.put_waiters, 1)
+                region.wait_for_get(seen, WATCH_INTERVAL)
+                region.count_waiter("p", region.put_waiters, -1)
 
 
 def _finalize_close(backlog: _Backlog) -> None:
@@ -188,8 +173,11 @@ def _announce_exit(region: Region, backlog: _Backlog, maxsize: int, pid: int) ->
     """The creator exits, or drops the queue: the marker goes behind everything it put.
 
     A full bounded queue gets no marker (this must not block); its consumers
-    notice the creator's death by watching it instead.
+    notice the creator's death by watching it instead. Nor does a queue collected while
+    this thread is inside its own put() (the lock is not reentrant).
     """
+    if region.plock.holder == threading.get_ident():
+        return
     _send(region, backlog, maxsize, pickle.dumps(_CreatorExited(pid), HIGHEST), False, None, 0)
 
 
@@ -200,32 +188,27 @@ def _send(region: Region, backlog: _Backlog, maxsize: int, data: bytes, block: b
     if len(data) > region.spill_over:
         data, kind = spill_write(data), KIND_SPILL
     deadline = None if timeout is None else time.monotonic() + timeout
-    counted = False
     while True:
-        region.lock()
-        try:
-            if counted:
-                region.add_locked(PUT_WAITERS, -1)
-                counted = False
-            st = region.state()
-            if not maxsize or st[2] + len(backlog.items) < maxsize:
-                if not backlog.items and region.write_locked(data, kind, st, task):
-                    return True
-                if task:
-                    region.commit_locked(st[0], st[1], st[2], st[3] + task)
-                backlog.push_locked(data, kind)
+        seen = region.cseq.value  # before the try: a get after it wakes the wait below
+        if backlog.items:
+            answer = FULL if maxsize and region.count() + len(backlog.items) >= maxsize else 2
+        else:
+            answer = region.try_put(data, kind, task, maxsize, 0)
+            if not answer:
                 return True
-            left = None if deadline is None else deadline - time.monotonic()
-            if not block or (left is not None and left <= 0):
-                if kind == KIND_SPILL:
-                    os.unlink(data)
-                return False
-            value = region.word(GET_EVENT)
-            region.add_locked(PUT_WAITERS, 1)
-            counted = True
-        finally:
-            region.unlock()
-        region.wait(GET_EVENT, value, WATCH_INTERVAL if left is None else min(left, WATCH_INTERVAL))
+        if answer != FULL:  # no room in the ring now: the backlog's thread writes it later
+            if task:
+                region.add_task()
+            backlog.push(data, kind)
+            return True
+        left = None if deadline is None else deadline - time.monotonic()
+        if not block or (left is not None and left <= 0):
+            if kind == KIND_SPILL:
+                os.unlink(data)
+            return False
+        region.count_waiter("p", region.put_waiters, 1)
+        region.wait_for_get(seen, WATCH_INTERVAL if left is None else min(left, WATCH_INTERVAL))
+        region.count_waiter("p", region.put_waiters, -1)
 
 
 class Queue:
@@ -252,12 +235,18 @@ class Queue:
         util.register_after_fork(self, Queue._after_fork)
 
     def _after_fork(self) -> None:
-        self._region.tlock = threading.Lock()
+        self._region.after_fork()
         self._setup()
 
     def __getstate__(self) -> tuple[Any, ...]:
         context.assert_spawning(self)
-        return (self._maxsize, DupFd(self._region.fd), self._opid)
+        # One fd passed per child, however often the child's pickle is made (gpushare's
+        # dumps may pickle twice: its dry run, then ForkingPickler) or names the queue.
+        passed = vars(context.get_spawning_popen()).setdefault("_gpushare_queue_fds", {})
+        fd = self._region.fd
+        if fd not in passed:
+            passed[fd] = DupFd(fd)
+        return (self._maxsize, passed[fd], self._opid)
 
     def __setstate__(self, state: tuple[Any, ...]) -> None:
         self._maxsize, fd, self._opid = state
@@ -356,46 +345,43 @@ class Queue:
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
         region = self._region
-        deadline = time.monotonic() + (timeout or 0.0)
-        counted = spun = False
-        while True:
-            region.lock()
-            try:
-                if counted:
-                    region.add_locked(GET_WAITERS, -1)
-                    counted = False
-                st = region.state()
-                if st[0] != st[1]:
-                    kind, payload = region.read_locked(st)
-                    break
-                left = deadline - time.monotonic()
-                if not block or left <= 0:
-                    raise queue.Empty
-                if spun:
-                    value = region.word(PUT_EVENT)
-                    region.add_locked(GET_WAITERS, 1)
-                    counted = True
-            finally:
-                region.unlock()
-            if not spun:
-                spun = True
-                state = region.state
-                for _ in range(SPIN):
-                    st = state()
-                    if st[0] != st[1]:
-                        break
-                continue
-            region.wait(PUT_EVENT, value, left)
+        got = region.try_get()
+        if got is None and block:
+            got = self._wait(region, time.monotonic() + (timeout or 0.0))
+        if got is None:
+            raise queue.Empty
+        kind, payload = got
         return spill_read(payload) if kind == KIND_SPILL else payload
+
+    @staticmethod
+    def _wait(region: Region, deadline: float) -> tuple[int, bytes] | None:
+        """Spin a moment (a reply is often that near), then sleep on the producers' word."""
+        producers = region.producers
+        head = region.consumers()[0]
+        yield_ = getattr(os, "sched_yield", _no_yield)
+        for _ in range(SPIN):
+            if producers()[0] > head:
+                break
+            yield_()  # a producer waiting for this CPU runs first
+        while True:
+            seen = region.pseq.value  # before the try: a put after it wakes the wait below
+            got = region.try_get()
+            if got is not None:
+                return got
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            region.count_waiter("c", region.get_waiters, 1)
+            region.wait_for_put(seen, left)
+            region.count_waiter("c", region.get_waiters, -1)
 
     # -- the rest of multiprocessing.Queue's interface
 
     def qsize(self) -> int:
-        return int(self._region.state()[2]) + len(self._backlog.items)
+        return self._region.count() + len(self._backlog.items)
 
     def empty(self) -> bool:
-        head, tail, _, _ = self._region.state()
-        return bool(head == tail)
+        return self._region.empty()
 
     def full(self) -> bool:
         return bool(self._maxsize) and self.qsize() >= self._maxsize
@@ -427,37 +413,17 @@ class JoinableQueue(Queue):
     _joinable = 1
 
     def task_done(self) -> None:
-        region = self._region
-        region.lock()
-        try:
-            head, tail, count, unfinished = region.state()
-            if unfinished <= 0:
-                raise ValueError("task_done() called too many times")
-            region.commit_locked(head, tail, count, unfinished - 1)
-            if unfinished == 1:
-                region.add_locked(TASK_EVENT, 1)
-                if region.word(JOIN_WAITERS):
-                    region.wake(TASK_EVENT)
-        finally:
-            region.unlock()
+        self._region.task_done()
 
     def join(self) -> None:
         region = self._region
-        counted = False
         while True:
-            region.lock()
-            try:
-                if counted:
-                    region.add_locked(JOIN_WAITERS, -1)
-                    counted = False
-                if region.state()[3] == 0:
-                    return
-                value = region.word(TASK_EVENT)
-                region.add_locked(JOIN_WAITERS, 1)
-                counted = True
-            finally:
-                region.unlock()
-            region.wait(TASK_EVENT, value, WATCH_INTERVAL)
+            seen = region.cseq.value
+            if region.unfinished() <= 0:
+                return
+            region.count_waiter("c", region.join_waiters, 1)
+            region.wait_for_get(seen, WATCH_INTERVAL)
+            region.count_waiter("c", region.join_waiters, -1)
 
 
 class SimpleQueue(queues.SimpleQueue):

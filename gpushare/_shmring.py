@@ -1,23 +1,28 @@
-"""The shared-memory region behind gpushare's Queue: a byte ring of messages, its lock and wake-ups.
+"""The shared-memory region behind gpushare's Queue: a byte ring of messages, two locks, futex wake-ups.
 
 One anonymous file (``memfd_create``; an unlinked temporary file elsewhere) holds the region.
 Children get it as an fd: inherited under fork, passed while spawning otherwise. Layout:
 
-- ``sel`` (one byte) names which of two state copies is current. A state is
-  ``head, tail, count, unfinished``: byte offsets that only grow, the messages in the
-  ring, JoinableQueue's unfinished tasks.
-- Three futex words, bumped after each commit: ``put_event``, ``get_event``, ``task_event``;
-  and how many processes sleep on each (a wake costs a syscall only when someone sleeps).
-- The ring: records ``length, kind, payload``, 8-aligned. A record that would not fit before
-  the end leaves a wrap record. A payload over a quarter of the ring spills to a file of its
-  own, whose path is the record.
+- The producers' side: a commit word ``pseq`` and two copies of their state (``tail``, the
+  messages put, the tasks put); the consumers' side likewise (``cseq``; ``head``, the messages
+  taken, the tasks done). ``seq & 1`` names the current copy of a side.
+- Waiter counts (a wake costs a syscall only when someone sleeps), then two robust
+  process-shared mutexes, one per side.
+- The ring: records ``length, kind, payload``, 8-aligned; ``tail - head`` bytes are in use.
+  A record that would not fit before the end leaves a wrap record. A payload over a quarter
+  of the ring spills to a file of its own, whose path is the record.
 
-Protocol: every change happens under the lock, a POSIX record lock on the file (``lockf``),
-which the kernel drops when its holder dies. A writer writes the record past ``tail``, then
-the new state into the spare copy, then flips ``sel``: a one-byte store, the commit. A process
-killed before the flip leaves the old state, so nothing torn is ever seen; killed after it, the
-change is whole. Waits are futex waits (a bounded sleep where there is no futex), each at most
-a caller-given interval, so a lost wake-up costs latency, never a wedge.
+Protocol: a side changes its state only under its own lock. It writes what it adds (a record)
+first, then the new state into the spare copy, each copy framed by its sequence number at both
+ends, then bumps its ``seq``: one aligned 4-byte store, the commit. A process killed before it
+leaves the old state, so nothing torn is ever seen; killed after it, the change is whole. The
+mutexes are robust: the next locker after a dead owner gets EOWNERDEAD and goes on. Each side
+reads the other's state without its lock, retrying a copy whose two sequence numbers differ; a
+stale value is safe (less room, fewer messages). ``pseq`` and ``cseq`` are also the futex words
+consumers and producers sleep on. Every sleep is bounded by the caller, so a lost wake-up costs
+latency, never a wedge. Where there are no robust mutexes, a POSIX record lock per side
+(``lockf``, dropped by the kernel when its holder dies) and a thread lock take their place;
+where there is no futex, a short sleep.
 Why: docs/design.md, "Queues".
 """
 
@@ -33,81 +38,150 @@ import sys
 import tempfile
 import threading
 import time
-import weakref
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
-__all__ = [
-    "GET_EVENT",
-    "GET_WAITERS",
-    "JOIN_WAITERS",
-    "KIND_DATA",
-    "KIND_SPILL",
-    "PUT_EVENT",
-    "PUT_WAITERS",
-    "RING_BYTES",
-    "TASK_EVENT",
-    "Region",
-    "spill_read",
-    "spill_write",
-]
+__all__ = ["FULL", "KIND_DATA", "KIND_SPILL", "NO_ROOM", "RING_BYTES", "Region", "spill_read", "spill_write"]
 
 RING_BYTES = 1 << 20  # the ring's bytes per queue; pages are touched only as messages pass
-HEADER = 128
-MAGIC = b"GSQ1"
-SEL = 8
-STATE = struct.Struct("<QQQQ")  # head, tail, count, unfinished
-STATE_AT = (16, 48)
-PUT_EVENT, GET_EVENT, TASK_EVENT = 80, 84, 88
-GET_WAITERS, PUT_WAITERS, JOIN_WAITERS = 92, 96, 100
-U32 = struct.Struct("<I")
+MAGIC = b"GSQ2"
+PSEQ, CSEQ = 8, 12
+GET_WAITERS, PUT_WAITERS, JOIN_WAITERS = 16, 20, 24
+COPY = struct.Struct("<QQQQQ")  # seq, then three fields, then seq again
+P_AT = (64, 104)
+C_AT = (144, 184)
+P_MUTEX, C_MUTEX = 256, 320  # 64 bytes each (a glibc pthread_mutex_t is 40)
+HEADER = 384
 RECORD = struct.Struct("<II")  # payload length, kind
 KIND_DATA, KIND_WRAP, KIND_SPILL = 0, 1, 2
 WRAP_RECORD = RECORD.pack(0, KIND_WRAP)
+FULL, NO_ROOM = 1, 2  # try_put's answers besides 0 (written)
+WAKE_ALL = 0x7FFFFFFF
 
-# -- futex (Linux), with a sleeping fallback ------------------------------------------------------
+# -- libc: futex and robust mutexes (Linux), with fallbacks ---------------------------------------
 
 _SYS_FUTEX = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98}.get(platform.machine().lower())
 FUTEX_WAIT, FUTEX_WAKE = 0, 1  # not _PRIVATE: the word is shared between processes
+EBUSY, EOWNERDEAD = 16, 130
 
 
 class _Timespec(ctypes.Structure):
     _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 
 
-def _load_syscall() -> Any:
-    if not sys.platform.startswith("linux") or _SYS_FUTEX is None:
-        return None
+def _libc() -> tuple[Any, Any]:
+    """libc through ctypes twice: calls that may block (the GIL let go) and quick ones (kept)."""
+    if not sys.platform.startswith("linux"):
+        return None, None
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.syscall
-    except (OSError, AttributeError):
-        return None
-    fn.restype = ctypes.c_long
-    return fn
+        return ctypes.CDLL(None, use_errno=True), ctypes.PyDLL(None)
+    except OSError:
+        return None, None
 
 
-_syscall = _load_syscall()
-FUTEX = _syscall is not None
+_blocking, _quick = _libc()
+_syscall = None
+if _blocking is not None and _SYS_FUTEX is not None and hasattr(_blocking, "syscall"):
+    _syscall = _blocking.syscall
+    _syscall.restype = ctypes.c_long
+ROBUST = _blocking is not None and all(
+    hasattr(_blocking, name)
+    for name in ("pthread_mutexattr_setrobust", "pthread_mutexattr_setpshared", "pthread_mutex_consistent")
+)
 POLL_SLEEP = 0.0005  # the fallback's sleep between looks
 
 
-def _futex_wait(addr: int, mm: mmap.mmap, offset: int, value: int, timeout: float) -> None:
-    """Sleep while the word at ``offset`` holds ``value``, at most ``timeout`` seconds."""
+def _futex_wait(addr: int, word: Any, value: int, timeout: float) -> None:
+    """Sleep while ``word`` (at ``addr``) holds ``value``, at most ``timeout`` seconds."""
+    if timeout <= 0:
+        return
     if _syscall is not None:
         ts = _Timespec(int(timeout), int((timeout % 1.0) * 1e9))
         _syscall(_SYS_FUTEX, ctypes.c_void_p(addr), FUTEX_WAIT, ctypes.c_uint32(value), ctypes.byref(ts), None, 0)
         return
     deadline = time.monotonic() + timeout
-    while U32.unpack_from(mm, offset)[0] == value and time.monotonic() < deadline:
+    while word.value == value and time.monotonic() < deadline:
         time.sleep(POLL_SLEEP)
 
 
 def _futex_wake(addr: int, count: int) -> None:
     if _syscall is not None:
         _syscall(_SYS_FUTEX, ctypes.c_void_p(addr), FUTEX_WAKE, count, None, None, 0)
+
+
+def _init_mutex(addr: int) -> None:
+    attr = ctypes.create_string_buffer(64)
+    for call in (
+        lambda: _blocking.pthread_mutexattr_init(attr),
+        lambda: _blocking.pthread_mutexattr_setpshared(attr, 1),  # PTHREAD_PROCESS_SHARED
+        lambda: _blocking.pthread_mutexattr_setrobust(attr, 1),  # PTHREAD_MUTEX_ROBUST
+        lambda: _blocking.pthread_mutex_init(ctypes.c_void_p(addr), attr),
+    ):
+        err = call()
+        if err:
+            raise OSError(err, f"could not make the queue's mutex: {os.strerror(err)}")
+    _blocking.pthread_mutexattr_destroy(attr)
+
+
+class _RobustLock:
+    """A robust process-shared pthread mutex in the region: the owner's death unlocks it."""
+
+    __slots__ = ("addr", "arg", "holder")
+
+    def __init__(self, addr: int) -> None:
+        self.addr = addr
+        self.arg = ctypes.c_void_p(addr)
+        self.holder = 0  # the thread of this process holding it, else 0
+
+    def acquire(self) -> None:
+        err = _quick.pthread_mutex_trylock(self.arg)
+        if err == EBUSY:
+            err = _blocking.pthread_mutex_lock(self.arg)  # lets go of the GIL while it waits
+        if err == EOWNERDEAD:
+            # Its holder died; what it left is the last commit (see the module docstring).
+            _blocking.pthread_mutex_consistent(self.arg)
+        elif err:
+            raise OSError(err, f"the queue's lock failed: {os.strerror(err)}")
+        self.holder = threading.get_ident()
+
+    def release(self) -> None:
+        self.holder = 0
+        _quick.pthread_mutex_unlock(self.arg)
+
+
+class _RecordLock:
+    """The fallback: a POSIX record lock on one byte of the file (the kernel drops it when its
+    process dies), behind a thread lock (record locks belong to a process, not a thread)."""
+
+    __slots__ = ("fd", "holder", "offset", "tlock")
+
+    def __init__(self, fd: int, offset: int) -> None:
+        self.fd = fd
+        self.offset = offset
+        self.tlock = threading.Lock()
+        self.holder = 0
+
+    def acquire(self) -> None:
+        self.tlock.acquire()
+        try:
+            fcntl.lockf(self.fd, fcntl.LOCK_EX, 1, self.offset)
+        except BaseException:
+            self.tlock.release()
+            raise
+        self.holder = threading.get_ident()
+
+    def release(self) -> None:
+        self.holder = 0
+        try:
+            fcntl.lockf(self.fd, fcntl.LOCK_UN, 1, self.offset)
+        finally:
+            self.tlock.release()
+
+    def after_fork(self) -> None:
+        self.tlock = threading.Lock()  # another thread may have held it at fork
+        self.holder = 0
 
 
 # -- the region ---------------------------------------------------------------------------------------
@@ -123,140 +197,187 @@ def _new_file(size: int) -> int:
     return fd
 
 
-_regions: weakref.WeakSet[Region] = weakref.WeakSet()
-
-
-def _after_fork_in_child() -> None:
-    # A lock another thread held at fork is held forever in the child's copy; the
-    # record lock itself is not inherited (POSIX record locks belong to a process).
-    for region in list(_regions):
-        region.tlock = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
 class Region:
-    """One process's view of a queue's region: the fd, the mapping, the lock.
-
-    Every method with ``_locked`` in its name expects :meth:`lock` held.
-    """
+    """One process's view of a queue's region: the fd, the mapping, the two locks."""
 
     def __init__(self, fd: int | None = None, ring_bytes: int = RING_BYTES) -> None:
+        created = fd is None
         if fd is None:
             fd = _new_file(HEADER + ring_bytes)
-            self.mm = mmap.mmap(fd, HEADER + ring_bytes)
-            self.mm[0:4] = MAGIC
-        else:
-            self.mm = mmap.mmap(fd, os.fstat(fd).st_size)
-            if self.mm[0:4] != MAGIC:
-                raise ValueError("this file is not a gpushare queue's region")
         self.fd = fd
-        self.cap = len(self.mm) - HEADER
+        self.mm = mm = mmap.mmap(fd, os.fstat(fd).st_size)
+        if created:
+            mm[0:4] = MAGIC
+        elif mm[0:4] != MAGIC:
+            raise ValueError("this file is not a gpushare queue's region")
+        self.cap = len(mm) - HEADER
         self.spill_over = self.cap // 4
-        self.tlock = threading.Lock()  # threads of this process; lockf excludes other processes
-        base = ctypes.addressof(ctypes.c_char.from_buffer(self.mm)) if FUTEX else 0
-        self.addr = {w: base + w for w in (PUT_EVENT, GET_EVENT, TASK_EVENT)}
-        _regions.add(self)
+        self.pseq = ctypes.c_uint32.from_buffer(mm, PSEQ)  # aligned 4-byte loads and stores
+        self.cseq = ctypes.c_uint32.from_buffer(mm, CSEQ)
+        self.get_waiters = ctypes.c_uint32.from_buffer(mm, GET_WAITERS)
+        self.put_waiters = ctypes.c_uint32.from_buffer(mm, PUT_WAITERS)
+        self.join_waiters = ctypes.c_uint32.from_buffer(mm, JOIN_WAITERS)
+        base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+        self.pseq_addr, self.cseq_addr = base + PSEQ, base + CSEQ
+        self.plock: Any
+        self.clock: Any
+        if ROBUST:
+            if created:
+                _init_mutex(base + P_MUTEX)
+                _init_mutex(base + C_MUTEX)
+            self.plock, self.clock = _RobustLock(base + P_MUTEX), _RobustLock(base + C_MUTEX)
+        else:
+            self.plock, self.clock = _RecordLock(fd, 0), _RecordLock(fd, 1)
+        self.head_seen = 0  # the consumers' head as last read: stale is safe (less room)
+        self.tail_seen = 0  # the producers' tail as last read: stale is safe (fewer messages)
 
-    # -- the lock and the state
+    def after_fork(self) -> None:
+        for lock in (self.plock, self.clock):
+            if isinstance(lock, _RecordLock):
+                lock.after_fork()
+            else:
+                lock.holder = 0
 
-    def lock(self) -> None:
-        self.tlock.acquire()
+    # -- the two sides' states
+
+    def _current(self, seq: Any, at: tuple[int, int]) -> tuple[int, int, int, int, int]:
+        return COPY.unpack_from(self.mm, at[seq.value & 1])  # type: ignore[return-value]
+
+    def _commit(self, seq: Any, at: tuple[int, int], a: int, b: int, c: int) -> None:
+        new = (seq.value + 1) & 0xFFFFFFFF
+        COPY.pack_into(self.mm, at[new & 1], new, a, b, c, new)
+        seq.value = new  # the commit
+
+    def _snapshot(self, seq: Any, at: tuple[int, int]) -> tuple[int, int, int]:
+        """The other side's state, read without its lock."""
+        mm = self.mm
+        while True:
+            s1, a, b, c, s2 = COPY.unpack_from(mm, at[seq.value & 1])
+            if s1 == s2:
+                return a, b, c
+
+    def producers(self) -> tuple[int, int, int]:
+        """(tail, messages put, tasks put), read without the lock."""
+        return self._snapshot(self.pseq, P_AT)
+
+    def consumers(self) -> tuple[int, int, int]:
+        """(head, messages taken, tasks done), read without the lock."""
+        return self._snapshot(self.cseq, C_AT)
+
+    # -- producers
+
+    def try_put(self, payload: bytes, kind: int, task: int, maxsize: int, pending: int) -> int:
+        """Write one record and commit it (0), or FULL (``maxsize`` messages, counting this
+        process's ``pending``) or NO_ROOM (not in the ring now); ``task``: count a task."""
+        self.plock.acquire()
         try:
-            fcntl.lockf(self.fd, fcntl.LOCK_EX)
-        except BaseException:
-            self.tlock.release()
-            raise
-
-    def unlock(self) -> None:
-        try:
-            fcntl.lockf(self.fd, fcntl.LOCK_UN)
+            _, tail, nput, tasks, _ = self._current(self.pseq, P_AT)
+            if maxsize and nput + pending - self.consumers()[1] >= maxsize:
+                return FULL
+            cap = self.cap
+            need = (RECORD.size + len(payload) + 7) & ~7
+            at = tail % cap
+            skip = cap - at if cap - at < need else 0
+            if (tail - self.head_seen) + skip + need > cap:
+                self.head_seen = self.consumers()[0]
+                if (tail - self.head_seen) + skip + need > cap:
+                    return NO_ROOM
+            mm = self.mm
+            if skip:
+                mm[HEADER + at : HEADER + at + RECORD.size] = WRAP_RECORD
+                at = 0
+            start = HEADER + at
+            RECORD.pack_into(mm, start, len(payload), kind)
+            mm[start + RECORD.size : start + RECORD.size + len(payload)] = payload
+            self._commit(self.pseq, P_AT, tail + skip + need, nput + 1, tasks + task)
         finally:
-            self.tlock.release()
+            self.plock.release()
+        if self.get_waiters.value:  # read after the unlock, which orders it after the commit
+            _futex_wake(self.pseq_addr, 1)
+        return 0
 
-    def state(self) -> tuple[int, int, int, int]:
-        """The current state; without the lock, a hint (two flips while reading may tear it)."""
-        mm = self.mm
-        return STATE.unpack_from(mm, STATE_AT[mm[SEL] & 1])  # type: ignore[return-value]
+    def add_task(self) -> None:
+        """Count a task whose message waits in this process's backlog."""
+        self.plock.acquire()
+        try:
+            _, tail, nput, tasks, _ = self._current(self.pseq, P_AT)
+            self._commit(self.pseq, P_AT, tail, nput, tasks + 1)
+        finally:
+            self.plock.release()
 
-    def commit_locked(self, head: int, tail: int, count: int, unfinished: int) -> None:
-        mm = self.mm
-        spare = (mm[SEL] & 1) ^ 1
-        STATE.pack_into(mm, STATE_AT[spare], head, tail, count, unfinished)
-        mm[SEL] = spare  # the commit: one byte
+    # -- consumers
 
-    def word(self, offset: int) -> int:
-        return U32.unpack_from(self.mm, offset)[0]  # type: ignore[no-any-return]
-
-    def add_locked(self, offset: int, delta: int) -> int:
-        value = (U32.unpack_from(self.mm, offset)[0] + delta) & 0xFFFFFFFF
-        U32.pack_into(self.mm, offset, value)
-        return value  # type: ignore[no-any-return]
-
-    # -- records
-
-    def write_locked(self, payload: bytes, kind: int, st: tuple[int, int, int, int], task: int) -> bool:
-        """Write one record and commit it; False when the ring has no room for it now."""
-        head, tail, count, unfinished = st
-        cap = self.cap
-        need = (RECORD.size + len(payload) + 7) & ~7
-        at = tail % cap
-        skip = cap - at if cap - at < need else 0
-        if (tail - head) + skip + need > cap:
-            return False
-        mm = self.mm
-        if skip:
-            mm[HEADER + at : HEADER + at + RECORD.size] = WRAP_RECORD
-            at = 0
-        start = HEADER + at
-        RECORD.pack_into(mm, start, len(payload), kind)
-        mm[start + RECORD.size : start + RECORD.size + len(payload)] = payload
-        self.commit_locked(head, tail + skip + need, count + 1, unfinished + task)
-        self.add_locked(PUT_EVENT, 1)
-        if self.word(GET_WAITERS):
-            _futex_wake(self.addr[PUT_EVENT], 1)
-        return True
-
-    def read_locked(self, st: tuple[int, int, int, int]) -> tuple[int, bytes]:
-        """Take the first record (the ring is not empty) and commit; its kind and payload."""
-        head, tail, count, unfinished = st
-        cap = self.cap
-        mm = self.mm
-        at = head % cap
-        length, kind = RECORD.unpack_from(mm, HEADER + at)
-        if kind == KIND_WRAP:
-            head += cap - at
-            at = 0
-            length, kind = RECORD.unpack_from(mm, HEADER)
-        start = HEADER + at + RECORD.size
-        payload = mm[start : start + length]
-        self.commit_locked(head + ((RECORD.size + length + 7) & ~7), tail, count - 1, unfinished)
-        self.add_locked(GET_EVENT, 1)
-        if self.word(PUT_WAITERS):
-            _futex_wake(self.addr[GET_EVENT], 0x7FFFFFFF)
+    def try_get(self) -> tuple[int, bytes] | None:
+        """Take the oldest record and commit (its kind and payload), or None when empty."""
+        self.clock.acquire()
+        try:
+            _, head, nget, done, _ = self._current(self.cseq, C_AT)
+            if head >= self.tail_seen:
+                self.tail_seen = self.producers()[0]
+                if head >= self.tail_seen:
+                    return None
+            cap = self.cap
+            mm = self.mm
+            at = head % cap
+            length, kind = RECORD.unpack_from(mm, HEADER + at)
+            if kind == KIND_WRAP:
+                head += cap - at
+                at = 0
+                length, kind = RECORD.unpack_from(mm, HEADER)
+            start = HEADER + at + RECORD.size
+            payload = mm[start : start + length]
+            self._commit(self.cseq, C_AT, head + ((RECORD.size + length + 7) & ~7), nget + 1, done)
+        finally:
+            self.clock.release()
+        if self.put_waiters.value:
+            _futex_wake(self.cseq_addr, WAKE_ALL)
         return kind, payload
 
-    # -- waiting
+    def task_done(self) -> None:
+        self.clock.acquire()
+        try:
+            _, head, nget, done, _ = self._current(self.cseq, C_AT)
+            if done >= self.producers()[2]:
+                raise ValueError("task_done() called too many times")
+            self._commit(self.cseq, C_AT, head, nget, done + 1)
+        finally:
+            self.clock.release()
+        if self.join_waiters.value:
+            _futex_wake(self.cseq_addr, WAKE_ALL)
 
-    def wait(self, event: int, value: int, timeout: float) -> None:
-        """Sleep until the word ``event`` moves from ``value``, at most ``timeout`` seconds.
+    def unfinished(self) -> int:
+        return int(self.producers()[2] - self.consumers()[2])
 
-        The caller read ``value`` and counted itself a waiter under the lock, and uncounts
-        itself under the lock again: a writer wakes only when someone is counted."""
-        if timeout > 0:
-            _futex_wait(self.addr.get(event, 0), self.mm, event, value, timeout)
+    def count(self) -> int:
+        return int(self.producers()[1] - self.consumers()[1])
 
-    def wake(self, event: int, count: int = 0x7FFFFFFF) -> None:
-        _futex_wake(self.addr[event], count)
+    def empty(self) -> bool:
+        return bool(self.consumers()[0] >= self.producers()[0])
+
+    # -- sleeping
+
+    def count_waiter(self, side: str, word: Any, delta: int) -> None:
+        """Add ``delta`` to a waiter count, under the lock of the side that owns it."""
+        lock = self.clock if side == "c" else self.plock
+        lock.acquire()
+        try:
+            word.value = (word.value + delta) & 0xFFFFFFFF
+        finally:
+            lock.release()
+
+    def wait_for_put(self, value: int, timeout: float) -> None:
+        _futex_wait(self.pseq_addr, self.pseq, value, timeout)
+
+    def wait_for_get(self, value: int, timeout: float) -> None:
+        _futex_wait(self.cseq_addr, self.cseq, value, timeout)
 
     def close(self) -> None:
         """Unmap and close this process's view (other processes keep theirs)."""
-        _regions.discard(self)
+        for name in ("pseq", "cseq", "get_waiters", "put_waiters", "join_waiters"):
+            self.__dict__.pop(name, None)
         try:
             self.mm.close()
-        except BufferError:  # a ctypes view still exported: leave the mapping to the collector
+        except BufferError:  # a view still exported: leave the mapping to the collector
             pass
         try:
             os.close(self.fd)
