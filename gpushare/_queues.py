@@ -28,7 +28,7 @@ from multiprocessing.reduction import DupFd, ForkingPickler
 from ._buffer import Buffer, queue_pickle
 from ._errors import OwnerGoneError
 from ._process import dumps, main_guard_error, stopped_by_main_guard
-from ._shmring import FULL, KIND_DATA, KIND_SPILL, Region, spill_read, spill_write
+from ._shmring import FULL, KIND_DATA, KIND_SPILL, NO_ROOM, Region, spill_read, spill_write
 
 # typing is not imported at run time: it is a measurable share of a child's start (see gpushare._seams).
 TYPE_CHECKING = False
@@ -149,6 +149,8 @@ class _Backlog:
                 if not items:
                     return
             data, kind = items[0]
+            if kind == KIND_DATA and len(data) > region.spill_over:
+                data, kind = items[0] = (spill_write(data), KIND_SPILL)  # at most one file waits here
             while True:
                 seen = region.cseq.value  # before the try: a get after it wakes the wait below
                 if not region.try_put(data, kind, 0, 0, 0):
@@ -183,32 +185,39 @@ def _announce_exit(region: Region, backlog: _Backlog, maxsize: int, pid: int) ->
 
 def _send(region: Region, backlog: _Backlog, maxsize: int, data: bytes, block: bool, timeout: float | None,
           task: int) -> bool:  # fmt: skip
-    """Write one message, behind this process's backlog; False when a bounded queue stayed full."""
-    kind = KIND_DATA
-    if len(data) > region.spill_over:
-        data, kind = spill_write(data), KIND_SPILL
+    """Write one message, behind this process's backlog; False when a bounded queue stayed full.
+
+    A payload too large for the ring goes to a spill file only when it is written: a
+    process killed with a backlog leaves no files behind for it.
+    """
+    payload, kind = data, KIND_DATA
     deadline = None if timeout is None else time.monotonic() + timeout
-    while True:
-        seen = region.cseq.value  # before the try: a get after it wakes the wait below
-        if backlog.items:
-            answer = FULL if maxsize and region.count() + len(backlog.items) >= maxsize else 2
-        else:
-            answer = region.try_put(data, kind, task, maxsize, 0)
-            if not answer:
+    try:
+        while True:
+            seen = region.cseq.value  # before the try: a get after it wakes the wait below
+            if backlog.items:
+                answer = FULL if maxsize and region.count() + len(backlog.items) >= maxsize else NO_ROOM
+            else:
+                if kind == KIND_DATA and len(data) > region.spill_over:
+                    payload, kind = spill_write(data), KIND_SPILL
+                answer = region.try_put(payload, kind, task, maxsize, 0)
+                if not answer:
+                    kind = KIND_DATA  # written: the file is the consumer's now
+                    return True
+            if answer == NO_ROOM:  # no room in the ring now: the backlog's thread writes it later
+                if task:
+                    region.add_task()
+                backlog.push(data, KIND_DATA)
                 return True
-        if answer != FULL:  # no room in the ring now: the backlog's thread writes it later
-            if task:
-                region.add_task()
-            backlog.push(data, kind)
-            return True
-        left = None if deadline is None else deadline - time.monotonic()
-        if not block or (left is not None and left <= 0):
-            if kind == KIND_SPILL:
-                os.unlink(data)
-            return False
-        region.count_waiter("p", region.put_waiters, 1)
-        region.wait_for_get(seen, WATCH_INTERVAL if left is None else min(left, WATCH_INTERVAL))
-        region.count_waiter("p", region.put_waiters, -1)
+            left = None if deadline is None else deadline - time.monotonic()
+            if not block or (left is not None and left <= 0):
+                return False
+            region.count_waiter("p", region.put_waiters, 1)
+            region.wait_for_get(seen, WATCH_INTERVAL if left is None else min(left, WATCH_INTERVAL))
+            region.count_waiter("p", region.put_waiters, -1)
+    finally:
+        if kind == KIND_SPILL:  # spilled, then not written
+            os.unlink(payload)
 
 
 class Queue:
