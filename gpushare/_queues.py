@@ -267,12 +267,15 @@ class Queue:
     def put(self, obj: Any, block: bool = True, timeout: float | None = None) -> None:
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
-        backlog = self._backlog
-        had_thread = backlog.thread
-        if not _send(self._region, backlog, self._maxsize, _pickle(obj), block, timeout, self._joinable):
-            raise queue.Full
-        if backlog.thread is not had_thread:
-            self._watch_backlog()
+        data = _pickle(obj)
+        region, backlog = self._region, self._backlog
+        if backlog.items or len(data) > region.spill_over or region.try_put(data, 0, self._joinable, self._maxsize, 0):
+            # Not written at once: behind this process's backlog, spilled, full, or no room.
+            had_thread = backlog.thread
+            if not _send(region, backlog, self._maxsize, data, block, timeout, self._joinable):
+                raise queue.Full
+            if backlog.thread is not had_thread:
+                self._watch_backlog()
         if not self._exit_checked:
             self._exit_checked = True
             if self._opid == os.getpid():  # only the creator announces its exit
@@ -299,7 +302,14 @@ class Queue:
     # -- getting
 
     def get(self, block: bool = True, timeout: float | None = None) -> Any:
-        item = self._get(block, timeout)
+        if self._closed:
+            raise ValueError(f"Queue {self!r} is closed")
+        got = self._region.try_get()  # the fast path: a message is there
+        if got is not None:
+            kind, payload = got
+            item = _restore(spill_read(payload) if kind == KIND_SPILL else payload)
+        else:
+            item = self._get(block, timeout)
         if type(item) is not _CreatorExited:
             return item
         # The creator exited. Other processes may still be putting: go on while items

@@ -269,29 +269,32 @@ class Region:
     def try_put(self, payload: bytes, kind: int, task: int, maxsize: int, pending: int) -> int:
         """Write one record and commit it (0), or FULL (``maxsize`` messages, counting this
         process's ``pending``) or NO_ROOM (not in the ring now); ``task``: count a task."""
-        self.plock.acquire()
+        lock, mm, pseq = self.plock, self.mm, self.pseq
+        lock.acquire()
         try:
-            _, tail, nput, tasks, _ = self._current(self.pseq, P_AT)
+            seq = pseq.value
+            _, tail, nput, tasks, _ = COPY.unpack_from(mm, P_AT[seq & 1])
             if maxsize and nput + pending - self.consumers()[1] >= maxsize:
                 return FULL
             cap = self.cap
-            need = (RECORD.size + len(payload) + 7) & ~7
+            size = len(payload)
+            need = (size + 15) & ~7  # the record's 8 bytes and the payload, 8-aligned
             at = tail % cap
             skip = cap - at if cap - at < need else 0
             if (tail - self.head_seen) + skip + need > cap:
                 self.head_seen = self.consumers()[0]
                 if (tail - self.head_seen) + skip + need > cap:
                     return NO_ROOM
-            mm = self.mm
             if skip:
-                mm[HEADER + at : HEADER + at + RECORD.size] = WRAP_RECORD
+                mm[HEADER + at : HEADER + at + 8] = WRAP_RECORD
                 at = 0
             start = HEADER + at
-            RECORD.pack_into(mm, start, len(payload), kind)
-            mm[start + RECORD.size : start + RECORD.size + len(payload)] = payload
-            self._commit(self.pseq, P_AT, tail + skip + need, nput + 1, tasks + task)
+            mm[start : start + 8 + size] = RECORD.pack(size, kind) + payload
+            seq = (seq + 1) & 0xFFFFFFFF
+            COPY.pack_into(mm, P_AT[seq & 1], seq, tail + skip + need, nput + 1, tasks + task, seq)
+            pseq.value = seq  # the commit
         finally:
-            self.plock.release()
+            lock.release()
         if self.get_waiters.value:  # read after the unlock, which orders it after the commit
             _futex_wake(self.pseq_addr, 1)
         return 0
@@ -309,26 +312,29 @@ class Region:
 
     def try_get(self) -> tuple[int, bytes] | None:
         """Take the oldest record and commit (its kind and payload), or None when empty."""
-        self.clock.acquire()
+        lock, mm, cseq = self.clock, self.mm, self.cseq
+        lock.acquire()
         try:
-            _, head, nget, done, _ = self._current(self.cseq, C_AT)
+            seq = cseq.value
+            _, head, nget, done, _ = COPY.unpack_from(mm, C_AT[seq & 1])
             if head >= self.tail_seen:
                 self.tail_seen = self.producers()[0]
                 if head >= self.tail_seen:
                     return None
             cap = self.cap
-            mm = self.mm
             at = head % cap
             length, kind = RECORD.unpack_from(mm, HEADER + at)
             if kind == KIND_WRAP:
                 head += cap - at
                 at = 0
                 length, kind = RECORD.unpack_from(mm, HEADER)
-            start = HEADER + at + RECORD.size
+            start = HEADER + at + 8
             payload = mm[start : start + length]
-            self._commit(self.cseq, C_AT, head + ((RECORD.size + length + 7) & ~7), nget + 1, done)
+            seq = (seq + 1) & 0xFFFFFFFF
+            COPY.pack_into(mm, C_AT[seq & 1], seq, head + ((length + 15) & ~7), nget + 1, done, seq)
+            cseq.value = seq  # the commit
         finally:
-            self.clock.release()
+            lock.release()
         if self.put_waiters.value:
             _futex_wake(self.cseq_addr, WAKE_ALL)
         return kind, payload
