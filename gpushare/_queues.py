@@ -375,11 +375,14 @@ class Queue:
     @staticmethod
     def _wait(region: Region, deadline: float) -> tuple[int, bytes] | None:
         """Spin a moment (a reply is often that near), then sleep on the producers' word."""
-        producers = region.producers
-        head = region.consumers()[0]
+        pseq = region.pseq
+        seen = pseq.value
+        got = region.try_get()  # a put may have come between the caller's try and ``seen``
+        if got is not None:
+            return got
         yield_ = getattr(os, "sched_yield", _no_yield)
         for _ in range(SPIN):
-            if producers()[0] > head:
+            if pseq.value != seen:  # a commit: one word, on a line of its own
                 break
             yield_()  # a producer waiting for this CPU runs first
         while True:

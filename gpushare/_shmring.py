@@ -46,14 +46,15 @@ if TYPE_CHECKING:
 __all__ = ["FULL", "KIND_DATA", "KIND_SPILL", "NO_ROOM", "RING_BYTES", "Region", "spill_read", "spill_write"]
 
 RING_BYTES = 1 << 20  # the ring's bytes per queue; pages are touched only as messages pass
-MAGIC = b"GSQ2"
-PSEQ, CSEQ = 8, 12
-GET_WAITERS, PUT_WAITERS, JOIN_WAITERS = 16, 20, 24
+MAGIC = b"GSQ3"
+# Each side's words and copies on cache lines of their own: a put and a get write no line in common.
+PSEQ, CSEQ = 64, 128
+GET_WAITERS, PUT_WAITERS, JOIN_WAITERS = 192, 196, 200  # written only by those about to sleep
 COPY = struct.Struct("<QQQQQ")  # seq, then three fields, then seq again
-P_AT = (64, 104)
-C_AT = (144, 184)
-P_MUTEX, C_MUTEX = 256, 320  # 64 bytes each (a glibc pthread_mutex_t is 40)
-HEADER = 384
+P_AT = (256, 296)
+C_AT = (384, 424)
+P_MUTEX, C_MUTEX = 512, 576  # 64 bytes each (a glibc pthread_mutex_t is 40)
+HEADER = 640
 RECORD = struct.Struct("<II")  # payload length, kind
 KIND_DATA, KIND_WRAP, KIND_SPILL = 0, 1, 2
 WRAP_RECORD = RECORD.pack(0, KIND_WRAP)
@@ -91,6 +92,9 @@ ROBUST = _blocking is not None and all(
     for name in ("pthread_mutexattr_setrobust", "pthread_mutexattr_setpshared", "pthread_mutex_consistent")
 )
 POLL_SLEEP = 0.0005  # the fallback's sleep between looks
+if ROBUST:
+    _trylock, _unlock = _quick.pthread_mutex_trylock, _quick.pthread_mutex_unlock
+_get_ident = threading.get_ident
 
 
 def _futex_wait(addr: int, word: Any, value: int, timeout: float) -> None:
@@ -137,6 +141,12 @@ class _RobustLock:
 
     def acquire(self) -> None:
         err = _quick.pthread_mutex_trylock(self.arg)
+        if err:
+            self.wait(err)
+        self.holder = threading.get_ident()
+
+    def wait(self, err: int) -> None:
+        """After a trylock that did not simply succeed: wait for the lock, or take over a dead holder's."""
         if err == EBUSY:
             err = _blocking.pthread_mutex_lock(self.arg)  # lets go of the GIL while it waits
         if err == EOWNERDEAD:
@@ -144,7 +154,6 @@ class _RobustLock:
             _blocking.pthread_mutex_consistent(self.arg)
         elif err:
             raise OSError(err, f"the queue's lock failed: {os.strerror(err)}")
-        self.holder = threading.get_ident()
 
     def release(self) -> None:
         self.holder = 0
@@ -228,6 +237,10 @@ class Region:
             self.plock, self.clock = _RobustLock(base + P_MUTEX), _RobustLock(base + C_MUTEX)
         else:
             self.plock, self.clock = _RecordLock(fd, 0), _RecordLock(fd, 1)
+        # This process's last commit on each side, as (seq, the three fields): while the side's
+        # seq still reads so, the state is known without reading it. seq -1: none yet.
+        self.p_mine: tuple[int, int, int, int] = (-1, 0, 0, 0)
+        self.c_mine: tuple[int, int, int, int] = (-1, 0, 0, 0)
         self.head_seen = 0  # the consumers' head as last read: stale is safe (less room)
         self.tail_seen = 0  # the producers' tail as last read: stale is safe (fewer messages)
 
@@ -270,10 +283,19 @@ class Region:
         """Write one record and commit it (0), or FULL (``maxsize`` messages, counting this
         process's ``pending``) or NO_ROOM (not in the ring now); ``task``: count a task."""
         lock, mm, pseq = self.plock, self.mm, self.pseq
-        lock.acquire()
+        if ROBUST:
+            err = _trylock(lock.arg)
+            if err:
+                lock.wait(err)
+            lock.holder = _get_ident()
+        else:
+            lock.acquire()
         try:
             seq = pseq.value
-            _, tail, nput, tasks, _ = COPY.unpack_from(mm, P_AT[seq & 1])
+            if seq == self.p_mine[0]:  # this process made the last commit: no need to read it
+                seq, tail, nput, tasks = self.p_mine
+            else:
+                _, tail, nput, tasks, _ = COPY.unpack_from(mm, P_AT[seq & 1])
             if maxsize and nput + pending - self.consumers()[1] >= maxsize:
                 return FULL
             cap = self.cap
@@ -291,10 +313,16 @@ class Region:
             start = HEADER + at
             mm[start : start + 8 + size] = RECORD.pack(size, kind) + payload
             seq = (seq + 1) & 0xFFFFFFFF
-            COPY.pack_into(mm, P_AT[seq & 1], seq, tail + skip + need, nput + 1, tasks + task, seq)
+            tail, nput, tasks = tail + skip + need, nput + 1, tasks + task
+            COPY.pack_into(mm, P_AT[seq & 1], seq, tail, nput, tasks, seq)
             pseq.value = seq  # the commit
+            self.p_mine = (seq, tail, nput, tasks)
         finally:
-            lock.release()
+            if ROBUST:
+                lock.holder = 0
+                _unlock(lock.arg)
+            else:
+                lock.release()
         if self.get_waiters.value:  # read after the unlock, which orders it after the commit
             _futex_wake(self.pseq_addr, 1)
         return 0
@@ -313,10 +341,19 @@ class Region:
     def try_get(self) -> tuple[int, bytes] | None:
         """Take the oldest record and commit (its kind and payload), or None when empty."""
         lock, mm, cseq = self.clock, self.mm, self.cseq
-        lock.acquire()
+        if ROBUST:
+            err = _trylock(lock.arg)
+            if err:
+                lock.wait(err)
+            lock.holder = _get_ident()
+        else:
+            lock.acquire()
         try:
             seq = cseq.value
-            _, head, nget, done, _ = COPY.unpack_from(mm, C_AT[seq & 1])
+            if seq == self.c_mine[0]:  # this process made the last commit: no need to read it
+                seq, head, nget, done = self.c_mine
+            else:
+                _, head, nget, done, _ = COPY.unpack_from(mm, C_AT[seq & 1])
             if head >= self.tail_seen:
                 self.tail_seen = self.producers()[0]
                 if head >= self.tail_seen:
@@ -331,10 +368,16 @@ class Region:
             start = HEADER + at + 8
             payload = mm[start : start + length]
             seq = (seq + 1) & 0xFFFFFFFF
-            COPY.pack_into(mm, C_AT[seq & 1], seq, head + ((length + 15) & ~7), nget + 1, done, seq)
+            head, nget = head + ((length + 15) & ~7), nget + 1
+            COPY.pack_into(mm, C_AT[seq & 1], seq, head, nget, done, seq)
             cseq.value = seq  # the commit
+            self.c_mine = (seq, head, nget, done)
         finally:
-            lock.release()
+            if ROBUST:
+                lock.holder = 0
+                _unlock(lock.arg)
+            else:
+                lock.release()
         if self.put_waiters.value:
             _futex_wake(self.cseq_addr, WAKE_ALL)
         return kind, payload
