@@ -32,10 +32,8 @@ import ctypes
 import fcntl
 import mmap
 import os
-import platform
 import struct
 import sys
-import tempfile
 import threading
 import time
 
@@ -63,7 +61,7 @@ WAKE_ALL = 0x7FFFFFFF
 
 # -- libc: futex and robust mutexes (Linux), with fallbacks ---------------------------------------
 
-_SYS_FUTEX = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98}.get(platform.machine().lower())
+_SYS_FUTEX = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98}.get(os.uname().machine.lower())
 FUTEX_WAIT, FUTEX_WAKE = 0, 1  # not _PRIVATE: the word is shared between processes
 EBUSY, EOWNERDEAD = 16, 130
 
@@ -200,6 +198,8 @@ def _new_file(size: int) -> int:
     try:
         fd = os.memfd_create("gpushare-queue", os.MFD_CLOEXEC)
     except (AttributeError, OSError):
+        import tempfile
+
         with tempfile.TemporaryFile() as f:  # unlinked: gone with the last process holding it
             fd = os.dup(f.fileno())
     os.ftruncate(fd, size)
@@ -438,7 +438,11 @@ class Region:
 
 
 def spill_dir() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    if os.path.isdir("/dev/shm"):
+        return "/dev/shm"
+    import tempfile
+
+    return tempfile.gettempdir()
 
 
 def spill_write(payload: bytes) -> bytes:

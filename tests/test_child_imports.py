@@ -36,8 +36,9 @@ OWNER_SIDE = {
     "gpushare._manager_server",
     "gpushare._manager",
 }
-#: The most gpushare modules a fresh child loads to get and read one host buffer.
-HOST_LIMIT = 17
+#: The most gpushare modules a fresh child loads to get and read one host buffer
+#: (the Queue's shared-memory ring, ``_shmring``, is one of them).
+HOST_LIMIT = 18
 #: The same with a CUDA buffer: the host figure, less the host backend, plus the CUDA layer
 #: (its package and five modules), the CUDA backend with its shared base, and the ready events.
 CUDA_LIMIT = HOST_LIMIT - 1 + 6 + 2 + 1

@@ -18,8 +18,9 @@ import gpushare as mp
 
 PACKAGE = str(Path(mp.__file__).resolve().parent)
 
-#: The most gpushare modules one handoff runs through, both processes together.
-HANDOFF_LIMIT = 12
+#: The most gpushare modules one handoff runs through, both processes together
+#: (the Queue's shared-memory ring, ``_shmring``, is one of them).
+HANDOFF_LIMIT = 13
 
 
 class _Trace:

@@ -71,7 +71,7 @@ def w_produce(q: Any, ident: int, confirmed: Any, seed: int) -> None:
         seq += 1
 
 
-def w_consume(q: Any, conn: Any) -> None:
+def w_take_and_report(q: Any, conn: Any) -> None:
     while True:
         try:
             ident, seq, crc, blob = q.get(timeout=T)
@@ -143,7 +143,7 @@ def test_random_sigkills_lose_and_duplicate_nothing(reap) -> None:
 
     def start_consumer() -> None:
         mine, theirs = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=w_consume, args=(q, theirs))
+        proc = ctx.Process(target=w_take_and_report, args=(q, theirs))
         proc.start()
         theirs.close()
         reap.append(proc)
