@@ -36,6 +36,7 @@ import struct
 import sys
 import threading
 import time
+import weakref
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -206,6 +207,13 @@ def _new_file(size: int) -> int:
     return fd
 
 
+def _close_quietly(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
 class Region:
     """One process's view of a queue's region: the fd, the mapping, the two locks."""
 
@@ -214,6 +222,7 @@ class Region:
         if fd is None:
             fd = _new_file(HEADER + ring_bytes)
         self.fd = fd
+        self._close_fd = weakref.finalize(self, _close_quietly, fd)  # the mapping keeps a dup of its own
         self.mm = mm = mmap.mmap(fd, os.fstat(fd).st_size)
         if created:
             mm[0:4] = MAGIC
@@ -428,10 +437,7 @@ class Region:
             self.mm.close()
         except BufferError:  # a view still exported: leave the mapping to the collector
             pass
-        try:
-            os.close(self.fd)
-        except OSError:
-            pass
+        self._close_fd()
 
 
 # -- spill files --------------------------------------------------------------------------------------

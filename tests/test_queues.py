@@ -406,3 +406,18 @@ def test_every_start_method_carries_the_queue(reap, method) -> None:
     q.put((1, b""))
     assert out.get(timeout=T) == [0, 1]
     join_ok(proc)
+
+
+def test_a_collected_queue_gives_its_file_descriptors_back() -> None:
+    import gc
+    import os
+
+    gc.collect()
+    before = len(os.listdir("/proc/self/fd"))
+    for i in range(20):
+        q = mp.Queue()
+        q.put(i)
+        assert q.get(timeout=5) == i
+        del q
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) == before
