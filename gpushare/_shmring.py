@@ -71,9 +71,14 @@ class _Timespec(ctypes.Structure):
     _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 
 
+#: Set to 1 to use the portable fallbacks on Linux too (record locks, sleeping waits): tests
+#: run them so. Every process using a queue must agree, so it is read from the environment.
+PORTABLE = os.environ.get("GPUSHARE_QUEUE_PORTABLE") == "1"
+
+
 def _libc() -> tuple[Any, Any]:
     """libc through ctypes twice: calls that may block (the GIL let go) and quick ones (kept)."""
-    if not sys.platform.startswith("linux"):
+    if not sys.platform.startswith("linux") or PORTABLE:
         return None, None
     try:
         return ctypes.CDLL(None, use_errno=True), ctypes.PyDLL(None)
@@ -86,6 +91,7 @@ _syscall = None
 if _blocking is not None and _SYS_FUTEX is not None and hasattr(_blocking, "syscall"):
     _syscall = _blocking.syscall
     _syscall.restype = ctypes.c_long
+FUTEX = _syscall is not None
 ROBUST = _blocking is not None and all(
     hasattr(_blocking, name)
     for name in ("pthread_mutexattr_setrobust", "pthread_mutexattr_setpshared", "pthread_mutex_consistent")

@@ -219,3 +219,58 @@ def test_random_sigkills_lose_and_duplicate_nothing(reap) -> None:
     # Nobody is wedged: a new producer and consumer still get through.
     q.put("last")
     assert q.get(timeout=T) == "last"
+
+
+# -- the portable fallbacks: record locks and sleeping waits ---------------------------------
+
+PORTABLE_SCRIPT = """
+import os, queue, signal, sys, time
+import gpushare as mp
+from gpushare import _shmring
+
+def hold(q, ready):
+    q._region.plock.acquire()
+    ready.put("holding")
+    time.sleep(60)
+
+def echo(q, out, n):
+    for _ in range(n):
+        out.put(q.get(timeout=30))
+
+if __name__ == "__main__":
+    assert not _shmring.ROBUST and not _shmring.FUTEX
+    q, out, ready = mp.Queue(), mp.Queue(), mp.Queue()
+    p = mp.Process(target=echo, args=(q, out, 200))
+    p.start()
+    for i in range(200):
+        q.put((i, b"x" * (i * 997)))
+        assert out.get(timeout=30)[0] == i
+    p.join(30)
+    h = mp.Process(target=hold, args=(q, ready))
+    h.start()
+    assert ready.get(timeout=30) == "holding"
+    os.kill(h.pid, signal.SIGKILL)
+    h.join(30)
+    q.put("after")
+    assert q.get(timeout=5) == "after"
+    print("portable ok")
+"""
+
+
+def test_the_portable_fallbacks_work_and_survive_a_killed_lock_holder(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    from conftest import subprocess_env
+
+    script = tmp_path / "portable.py"
+    script.write_text(PORTABLE_SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        env=subprocess_env(GPUSHARE_QUEUE_PORTABLE="1"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0 and "portable ok" in done.stdout, done.stderr[-3000:]
