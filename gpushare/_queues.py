@@ -25,7 +25,7 @@ import weakref
 from multiprocessing import context, queues, util
 from multiprocessing.reduction import DupFd, ForkingPickler
 
-from ._buffer import Buffer, queue_pickle
+from ._buffer import QUEUE_HEAD, Buffer, from_queue_pickle, queue_pickle
 from ._errors import OwnerGoneError
 from ._process import dumps, main_guard_error, stopped_by_main_guard
 from ._shmring import FULL, KIND_DATA, KIND_SPILL, NO_ROOM, Region, spill_read, spill_write
@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 __all__ = ["JoinableQueue", "Queue", "SimpleQueue"]
 
 HIGHEST = pickle.HIGHEST_PROTOCOL
+_dumps, _loads = pickle.dumps, pickle.loads  # ForkingPickler.loads is pickle.loads
+_BUFFER_HEAD = QUEUE_HEAD
 
 _ATOMS = frozenset({type(None), bool, int, float, complex, str, bytes})
 
@@ -55,20 +57,18 @@ def _pickle(obj: Any) -> bytes:
     kind = type(obj)
     if kind is Buffer:  # first: the item a gpushare queue is for
         return queue_pickle(obj)
-    if _settled(obj):
-        return pickle.dumps(obj, HIGHEST)
+    if kind in _ATOMS or _settled(obj):
+        return _dumps(obj, HIGHEST)
     return dumps(obj, None)
 
 
 def _restore(data: bytes) -> Any:
     """get(): the item ``data`` is the pickle of."""
-    if data[:2] == b"\x80\x05" and data[-3:] == b"\x85R.":  # maybe a Buffer's wire form
-        from ._buffer import from_queue_pickle
-
+    if data.endswith(b"\x85R.") and data.startswith(_BUFFER_HEAD):  # maybe a Buffer's wire form
         buf = from_queue_pickle(data)
         if buf is not None:
             return buf
-    return ForkingPickler.loads(data)
+    return _loads(data)
 
 
 def _process_alive(pid: int) -> bool:
