@@ -356,6 +356,12 @@ class Region:
     def try_get(self) -> tuple[int, bytes] | None:
         """Take the oldest record and commit (its kind and payload), or None when empty."""
         lock, mm, cseq = self.clock, self.mm, self.cseq
+        # Empty, as far as can be seen without the lock? (A stale tail only says so sooner.)
+        mine = self.c_mine
+        if (mine[1] if cseq.value == mine[0] else self.consumers()[0]) >= self.tail_seen:
+            self.tail_seen = self.producers()[0]
+            if (mine[1] if cseq.value == mine[0] else self.consumers()[0]) >= self.tail_seen:
+                return None
         if ROBUST:
             err = _trylock(lock.arg)
             if err:
