@@ -10,7 +10,7 @@ Two kinds of test:
   number and a checksum. Afterwards, per producer: no message twice, none torn, and of
   the messages whose put() returned (each producer counts them in shared memory) at most
   one per killed consumer missing (the one a consumer had taken when it died).
-  ``GPUSHARE_QUEUE_CHAOS_KILLS`` (default 24) kills, seeded by ``GPUSHARE_CHAOS_SEED``.
+  ``GPUSHARE_QUEUE_CHAOS_KILLS`` (default 16) kills, seeded by ``GPUSHARE_CHAOS_SEED``.
 
 Every child is reaped; every wait has a timeout.
 """
@@ -59,7 +59,8 @@ def w_die_mid_write(q: Any, stage: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def w_produce(q: Any, ident: int, confirmed: Any, seed: int) -> None:
+def w_produce(q: Any, ident: int, confirmed: Any, seed: int, ready: Any) -> None:
+    ready.set()
     rng = random.Random(seed)
     seq = 0
     while True:
@@ -71,7 +72,8 @@ def w_produce(q: Any, ident: int, confirmed: Any, seed: int) -> None:
         seq += 1
 
 
-def w_take_and_report(q: Any, conn: Any) -> None:
+def w_take_and_report(q: Any, conn: Any, ready: Any) -> None:
+    ready.set()
     while True:
         try:
             ident, seq, crc, blob = q.get(timeout=T)
@@ -123,7 +125,7 @@ def test_a_process_killed_mid_write_leaves_no_torn_message(reap, stage) -> None:
 
 def test_random_sigkills_lose_and_duplicate_nothing(reap) -> None:
     rng = random.Random(int(os.environ.get("GPUSHARE_CHAOS_SEED", "43")))
-    kills = int(os.environ.get("GPUSHARE_QUEUE_CHAOS_KILLS", "24"))
+    kills = int(os.environ.get("GPUSHARE_QUEUE_CHAOS_KILLS", "16"))
     ctx = mp.get_context("spawn")
     q = mp.Queue(maxsize=16)  # bounded: a producer's backlog stays small
     confirmed = ctx.Array("q", kills + 4, lock=False)
@@ -135,16 +137,20 @@ def test_random_sigkills_lose_and_duplicate_nothing(reap) -> None:
 
     def start_producer() -> None:
         nonlocal next_ident
-        proc = ctx.Process(target=w_produce, args=(q, next_ident, confirmed, rng.randrange(1 << 30)))
+        ready = ctx.Event()
+        proc = ctx.Process(target=w_produce, args=(q, next_ident, confirmed, rng.randrange(1 << 30), ready))
         proc.start()
+        assert ready.wait(T), "a producer did not start"
         reap.append(proc)
         producers[next_ident] = proc
         next_ident += 1
 
     def start_consumer() -> None:
         mine, theirs = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=w_take_and_report, args=(q, theirs))
+        ready = ctx.Event()
+        proc = ctx.Process(target=w_take_and_report, args=(q, theirs, ready))
         proc.start()
+        assert ready.wait(T), "a consumer did not start"
         theirs.close()
         reap.append(proc)
         consumers.append((proc, mine))
@@ -160,7 +166,7 @@ def test_random_sigkills_lose_and_duplicate_nothing(reap) -> None:
         start_producer()
         start_consumer()
     for _ in range(kills):
-        time.sleep(rng.uniform(0.02, 0.3))  # spawned children take ~0.1 s to start
+        time.sleep(rng.uniform(0.02, 0.3))  # every process is running: the kill finds it at work
         for _, conn in consumers:
             drain(conn)
         if rng.random() < 0.5:
