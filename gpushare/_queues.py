@@ -1,7 +1,7 @@
 """Queue and JoinableQueue over a shared-memory ring; SimpleQueue on a pipe.
 
 - ``put()`` pickles the item (a Buffer's wire form, or :func:`gpushare._process.dumps`'s
-  bytes) and writes it into the queue's region (:mod:`gpushare._shmring`) under its lock.
+  bytes) and writes it into the queue's region (:mod:`gpushare._shmring`) under the producers' lock.
   What finds no room waits in this process's backlog (:class:`_Backlog`), whose thread
   writes it as room frees: the queue is unbounded, as multiprocessing's.
 - ``get()`` takes the oldest message, sleeping on a futex word while there is none, reads a
