@@ -292,3 +292,132 @@ def test_consumer_waits_for_a_long_running_producer_kernel(
     assert (low, high) == (7.0, 7.0), f"consumer read before the producer's kernel finished ({how})"
     del t
     join_ok(proc, timeout=GPU_TIMEOUT)
+
+
+# -- the shared-memory ring: bounds, overflow, large messages, lifecycle -----------------
+
+
+def w_put_range(q, start, stop, size) -> None:
+    for i in range(start, stop):
+        q.put((i, b"y" * size))
+
+
+def w_get_n(q, out, n) -> None:
+    out.put([q.get(timeout=T)[0] for _ in range(n)])
+
+
+def w_task_done_all(q, n) -> None:
+    for _ in range(n):
+        q.get(timeout=T)
+        time.sleep(0.01)
+        q.task_done()
+
+
+def test_maxsize_blocks_and_times_out_like_the_stdlib() -> None:
+    q = mp.Queue(2)
+    q.put(1)
+    q.put_nowait(2)
+    assert q.full() and q.qsize() == 2
+    with pytest.raises(queue.Full):
+        q.put(3, timeout=0.05)
+    with pytest.raises(queue.Full):
+        q.put(3, block=False)
+    assert q.get(timeout=5) == 1
+    q.put(3, timeout=5)
+    assert [q.get(timeout=5), q.get_nowait()] == [2, 3]
+    assert q.empty() and not q.full()
+
+
+def test_a_backlog_and_messages_larger_than_the_ring_arrive_in_order(reap) -> None:
+    # 4 MiB of small items outgrow the 1 MiB ring (the producer's backlog thread writes
+    # them as room frees); 2 MiB items spill to files of their own. The child exits
+    # after its last put: at exit it writes out its backlog, as multiprocessing's does.
+    q, out = mp.Queue(), mp.Queue()
+    small = 4000
+    start(reap, w_put_range, q, 0, small, 1000)
+    start(reap, w_get_n, q, out, small)
+    assert out.get(timeout=T) == list(range(small))
+    start(reap, w_put_range, q, 0, 3, 2 << 20)
+    assert [q.get(timeout=T)[0] for _ in range(3)] == [0, 1, 2]
+    local = mp.Queue()  # and in one process, mixed
+    items = [(i, b"z" * (3 << 20 if i % 50 == 0 else 500)) for i in range(3000)]
+    for item in items:
+        local.put(item)
+    assert [local.get(timeout=T) for _ in items] == items
+
+
+def test_several_producers_and_consumers_get_each_item_once(reap) -> None:
+    q, out = mp.Queue(), mp.Queue()
+    for k in range(3):
+        start(reap, w_put_range, q, k * 1000, (k + 1) * 1000, 100)
+    for _ in range(3):
+        start(reap, w_get_n, q, out, 1000)
+    got = [out.get(timeout=T) for _ in range(3)]
+    assert sorted(i for part in got for i in part) == list(range(3000))
+    for part in got:  # each producer's items stay in its order
+        for k in range(3):
+            mine = [i for i in part if k * 1000 <= i < (k + 1) * 1000]
+            assert mine == sorted(mine)
+
+
+def test_joinable_queue_join_waits_for_every_task_done(reap) -> None:
+    q = mp.JoinableQueue()
+    for i in range(20):
+        q.put(i)
+    start(reap, w_task_done_all, q, 20)
+    q.join()
+    assert q.empty()
+    with pytest.raises(ValueError, match="too many times"):
+        q.task_done()
+
+
+def test_close_join_thread_and_cancel_join_thread() -> None:
+    q = mp.Queue()
+    with pytest.raises(AssertionError):
+        q.join_thread()
+    q.put(1)
+    q.close()
+    q.join_thread()
+    with pytest.raises(ValueError, match="is closed"):
+        q.put(2)
+    with pytest.raises(ValueError, match="is closed"):
+        q.get()
+    r = mp.Queue()
+    r.cancel_join_thread()
+    r.close()
+    r.join_thread()
+
+
+def test_a_queue_is_shared_only_by_inheritance() -> None:
+    import pickle
+
+    with pytest.raises(RuntimeError, match="inheritance"):
+        pickle.dumps(mp.Queue())
+
+
+@pytest.mark.parametrize("method", ["fork", "forkserver", "spawn"])
+def test_every_start_method_carries_the_queue(reap, method) -> None:
+    ctx = mp.get_context(method)
+    q, out = ctx.Queue(), ctx.Queue()
+    q.put((0, b""))
+    proc = ctx.Process(target=w_get_n, args=(q, out, 2))
+    proc.start()
+    reap.append(proc)
+    q.put((1, b""))
+    assert out.get(timeout=T) == [0, 1]
+    join_ok(proc)
+
+
+def test_a_collected_queue_gives_its_file_descriptors_back() -> None:
+    import gc
+    import os
+
+    gc.collect()
+    before = len(os.listdir("/proc/self/fd"))
+    for i in range(20):
+        q = mp.Queue()
+        q.put(i)
+        assert q.get(timeout=5) == i
+        del q
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) == before

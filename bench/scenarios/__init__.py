@@ -18,6 +18,7 @@ MODULES = (
     "handoff",
     "ring",
     "throughput",
+    "queue",
     "first_share",
     "peer_read",
     "kernel_read",
