@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 
 import gpushare as mp
-from gpushare import _shmring
+from gpushare import _queues
 
 T = 30  # seconds any single wait may take
 
@@ -48,13 +48,13 @@ def w_die_mid_write(q: Any, stage: str) -> None:
     """Write part of a put's work under the producers' lock, then SIGKILL itself."""
     region = q._region
     region.plock.acquire()
-    tail = region._current(region.pseq, _shmring.P_AT)[1]
-    at = _shmring.HEADER + tail % region.cap
-    _shmring.RECORD.pack_into(region.mm, at, 64, _shmring.KIND_DATA)
+    tail = region._current(region.pseq, _queues.P_AT)[1]
+    at = _queues.HEADER + tail % region.cap
+    _queues.RECORD.pack_into(region.mm, at, 64, _queues.KIND_DATA)
     region.mm[at + 8 : at + 8 + 32] = b"\xee" * 32  # half the payload
     if stage == "state":  # and the new state half written into the spare copy
         new = region.pseq.value + 1
-        spare = _shmring.P_AT[new & 1]
+        spare = _queues.P_AT[new & 1]
         struct.pack_into("<QQ", region.mm, spare, new, tail + 72)
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -216,7 +216,7 @@ def test_random_sigkills_lose_and_duplicate_nothing(reap) -> None:
     # A spill file is lost only with a process killed between writing it and committing its
     # record, or between taking the record and removing the file: one per kill at most.
     pids = [p.pid for p in reap]
-    spill = _shmring.spill_dir()
+    spill = _queues.spill_dir()
     left = [n for n in os.listdir(spill) if any(n.startswith(f"gpushare-{pid}-q") for pid in pids)]
     for name in left:
         os.unlink(os.path.join(spill, name))
@@ -232,7 +232,7 @@ def test_random_sigkills_lose_and_duplicate_nothing(reap) -> None:
 PORTABLE_SCRIPT = """
 import os, queue, signal, sys, time
 import gpushare as mp
-from gpushare import _shmring
+from gpushare import _queues
 
 def hold(q, ready):
     q._region.plock.acquire()
@@ -244,7 +244,7 @@ def echo(q, out, n):
         out.put(q.get(timeout=30))
 
 if __name__ == "__main__":
-    assert not _shmring.ROBUST and not _shmring.FUTEX
+    assert {check}
     q, out, ready = mp.Queue(), mp.Queue(), mp.Queue()
     p = mp.Process(target=echo, args=(q, out, 200))
     p.start()
@@ -259,24 +259,31 @@ if __name__ == "__main__":
     h.join(30)
     q.put("after")
     assert q.get(timeout=5) == "after"
-    print("portable ok")
+    print("fallback ok")
 """
 
 
-def test_the_portable_fallbacks_work_and_survive_a_killed_lock_holder(tmp_path) -> None:
+@pytest.mark.parametrize(
+    ("setting", "check"),
+    [
+        ("GPUSHARE_QUEUE_PORTABLE", "not _queues.ROBUST and not _queues.FUTEX"),
+        ("GPUSHARE_QUEUE_ONE_LOCK", "_queues.ONE_LOCK"),  # how weakly ordered CPUs (arm64) run it
+    ],
+)
+def test_the_fallbacks_work_and_survive_a_killed_lock_holder(tmp_path, setting, check) -> None:
     import subprocess
     import sys
 
     from conftest import subprocess_env
 
     script = tmp_path / "portable.py"
-    script.write_text(PORTABLE_SCRIPT)
+    script.write_text(PORTABLE_SCRIPT.replace("{check}", check))
     done = subprocess.run(
         [sys.executable, str(script)],
-        env=subprocess_env(GPUSHARE_QUEUE_PORTABLE="1"),
+        env=subprocess_env(**{setting: "1"}),
         capture_output=True,
         text=True,
         timeout=120,
         check=False,
     )
-    assert done.returncode == 0 and "portable ok" in done.stdout, done.stderr[-3000:]
+    assert done.returncode == 0 and "fallback ok" in done.stdout, done.stderr[-3000:]
