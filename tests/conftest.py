@@ -262,6 +262,20 @@ def no_leases(manager: mp.BufferManager) -> bool:
     return manager.stats()["leases"] == 0
 
 
+def _settled_stats(m: mp.BufferManager) -> dict[str, Any]:
+    """``m.stats()`` once its lease count has held still for 0.1 s: a worker that has just
+    answered may still be exiting, and the owner drops its leases when its connection closes."""
+    stats = m.stats()
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        now = m.stats()
+        if now["leases"] == stats["leases"]:
+            return now
+        stats = now
+    return stats
+
+
 def assert_intact(
     m: mp.BufferManager,
     reap: list[multiprocessing.process.BaseProcess],
@@ -269,7 +283,7 @@ def assert_intact(
     backend: str | None = None,
 ) -> None:
     """The Manager still allocates, shares with a worker and recycles, and its counts add up."""
-    before = m.stats()
+    before = _settled_stats(m)
     buf = m.full((256,), 2.0, "float32", device=device, backend=backend)
     out = run_guarded(reap, w_unpickle_and_sum, pickle.dumps(buf), device=device)
     assert recv(out) == ("ok", 512.0)
