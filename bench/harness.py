@@ -136,6 +136,38 @@ def _queue_poll(q: Any) -> Callable[[float], Any]:
     return poll
 
 
+def run_in_child(target: Callable[..., None], args: tuple[Any, ...], who: str, timeout: float) -> Any:
+    """Run ``target(*args, conn)`` in a spawned process of its own and return what it sends on
+    ``conn``: ``("ok", payload)``, or ``("error", traceback)``, which raises BenchError, as does
+    no answer within ``timeout`` seconds or the process exiting without one. ``who`` names it
+    in messages ("gpushare: the trainer process")."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=target, args=(*args, child))  # not daemonic: it may start children
+    try:
+        proc.start()
+        child.close()
+        deadline = time.monotonic() + timeout
+        while not parent.poll(0.5):
+            if proc.exitcode is not None and not parent.poll(0):
+                raise BenchError(f"{who} exited with code {proc.exitcode} before it answered")
+            if time.monotonic() > deadline:
+                raise BenchError(f"{who} sent nothing within {timeout:g} s")
+        try:
+            status, payload = parent.recv()
+        except EOFError:
+            proc.join(5)
+            raise BenchError(f"{who} died (exit code {proc.exitcode})") from None
+    finally:
+        parent.close()
+        _stop([proc], lambda: None)
+    if status != "ok":
+        raise BenchError(f"{who} failed:\n{payload}")
+    return payload
+
+
 def _stop(procs: list[Any], send_stop: Callable[[], None], queues: Sequence[Any] = ()) -> None:
     """Tell consumers to stop, join with a timeout, then terminate and kill survivors."""
     try:

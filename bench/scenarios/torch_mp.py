@@ -44,7 +44,7 @@ import time
 import traceback
 from typing import TYPE_CHECKING, Any
 
-from ..harness import _await_ready, _check_ack, _get_ack, _queue_poll, _stop, _time_loop
+from ..harness import _await_ready, _check_ack, _get_ack, _queue_poll, _stop, _time_loop, run_in_child
 from ..peers import torch_skip
 from ..results import Check, Scenario, Table, _bind
 from ..settings import ACK_TIMEOUT, CONSUMERS, JOIN_TIMEOUT, READY_TIMEOUT, TORCH, BenchError, MiB
@@ -270,34 +270,8 @@ def refresh_memory(scenario: Scenario) -> None:
 def in_own_producer(what: str, args: tuple[Any, ...], iterations: int) -> Any:
     """Run ``run_case(*args)`` (``what`` "case") or ``run_memory(*args)`` ("memory") in a spawned
     producer process of its own, and return what it returns; its failure is a BenchError."""
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe(duplex=False)
-    # Not daemonic: it starts consumers of its own.
-    proc = ctx.Process(target=_producer_main, args=(what, args, child))
     timeout = READY_TIMEOUT + 2 * ACK_TIMEOUT + 2 * JOIN_TIMEOUT + SETTLE_S + iterations * PER_ITERATION_S
-    system = args[0]
-    try:
-        proc.start()
-        child.close()
-        deadline = time.monotonic() + timeout
-        while not parent.poll(POLL_S):
-            if proc.exitcode is not None and not parent.poll(0):
-                raise BenchError(f"{system}: the producer process exited with code {proc.exitcode} before it answered")
-            if time.monotonic() > deadline:
-                raise BenchError(f"{system}: the producer process sent nothing within {timeout:g} s")
-        try:
-            status, payload = parent.recv()
-        except EOFError:
-            proc.join(5)
-            raise BenchError(f"{system}: the producer process died (exit code {proc.exitcode})") from None
-    finally:
-        parent.close()
-        _stop([proc], lambda: None)
-    if status != "ok":
-        raise BenchError(f"{system}: the producer process failed:\n{payload}")
-    return payload
+    return run_in_child(_producer_main, (what, args), f"{args[0]}: the producer process", timeout)
 
 
 def _producer_main(what: str, args: tuple[Any, ...], conn: Any) -> None:

@@ -53,7 +53,7 @@ import time
 import traceback
 from typing import TYPE_CHECKING, Any
 
-from ..harness import _await_ready, _check_ack, _pipes_poll, _recv_pipe, _stop, _time_loop
+from ..harness import _await_ready, _check_ack, _pipes_poll, _recv_pipe, _stop, _time_loop, run_in_child
 from ..peers import torch_skip
 from ..results import Goal, Scenario, _bind
 from ..settings import BenchError, GiB
@@ -300,25 +300,10 @@ def in_own_trainer(
     shapes: dict[str, tuple[int, ...]], system: str, engines: int, device: int | str, iters: int, warmup: int
 ) -> tuple[list[int], dict[str, int] | None]:
     """``run_cell`` in a spawned trainer process with a Manager of its own: whatever torch keeps goes with it."""
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_trainer_main, args=(shapes, system, engines, device, iters, warmup, child))
-    proc.start()
-    child.close()
-    try:
-        if not parent.poll(TIMEOUT + iters * TIMEOUT / 10):
-            raise BenchError(f"{system}: the trainer process sent nothing in time")
-        status, payload = parent.recv()
-    except EOFError:
-        proc.join(5)
-        raise BenchError(f"{system}: the trainer process died (exit code {proc.exitcode})") from None
-    finally:
-        parent.close()
-        _stop([proc], lambda: None)
-    if status != "ok":
-        raise BenchError(f"{system}: the trainer process failed:\n{payload}")
+    payload = run_in_child(
+        _trainer_main, (shapes, system, engines, device, iters, warmup), f"{system}: the trainer process",
+        TIMEOUT + iters * TIMEOUT / 10,
+    )  # fmt: skip
     samples, memory = payload
     return samples, memory
 
