@@ -297,3 +297,32 @@ def test_owner_mode_is_checked() -> None:
 def test_link_stats_in_owner_process(manager) -> None:
     stats = _lifetime.link_stats()
     assert stats["owners"] == 0  # the owner maps nothing of its own through a link
+
+
+def test_an_idle_record_its_sharer_still_holds_stays_open_until_it_lets_go() -> None:
+    """The pool's rule for foreign memory (Owner.share_foreign): an unused transient record
+    whose sharer still ``held`` its anchor is neither freed nor pooled, and a share revives
+    it, as it revives one set aside that housekeeping has not yet taken; once taken to be
+    freed, a record can no longer be revived."""
+    from gpushare import _backends
+    from gpushare._lifetime._records import AllocationPool, AllocRecord, OwnerState
+
+    held = {"anchor"}
+    pool = AllocationPool(OwnerState(), None)
+    kicks = []
+    pool.kick = lambda: kicks.append(1)
+    record = AllocRecord(1, _backends.Allocation("host", 0, 4096, None, b"", native="anchor"), _backends.get("host"))
+    record.transient = True
+    record.held = lambda anchor: anchor in held
+    pool.offer(record)
+    assert pool.to_free() == [] and not kicks  # held: stays open, nothing to free
+    assert pool.revive(record) and not pool.revive(record)  # a share takes it back once
+    pool.offer(record)
+    held.clear()
+    assert pool.to_free() == [record]  # let go: freed by the next housekeeping round
+    assert not pool.revive(record) and pool.to_free() == []
+    record.held = None
+    pool.offer(record)  # no way to tell: set aside to be freed once unused, as any transient record
+    assert kicks and pool.revive(record)  # a share before housekeeping takes it back
+    pool.offer(record)
+    assert pool.to_free() == [record] and not record.pooled and not pool.revive(record)

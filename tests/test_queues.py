@@ -395,17 +395,28 @@ def test_a_queue_is_shared_only_by_inheritance() -> None:
         pickle.dumps(mp.Queue())
 
 
-@pytest.mark.parametrize("method", ["fork", "forkserver", "spawn"])
-def test_every_start_method_carries_the_queue(reap, method) -> None:
+def w_carry_by(method, report) -> None:
+    """Start a child by ``method`` that gets two items from an inherited Queue; report them."""
     ctx = mp.get_context(method)
     q, out = ctx.Queue(), ctx.Queue()
     q.put((0, b""))
     proc = ctx.Process(target=w_get_n, args=(q, out, 2))
     proc.start()
-    reap.append(proc)
     q.put((1, b""))
-    assert out.get(timeout=T) == [0, 1]
-    join_ok(proc)
+    report.put(out.get(timeout=T))
+    proc.join(T)
+
+
+@pytest.mark.parametrize("method", ["fork", "forkserver", "spawn"])
+def test_every_start_method_carries_the_queue(reap, method) -> None:
+    # From a fresh spawned process: this one may have initialised CUDA (a GPU run), and
+    # gpushare refuses to fork after that (test_process_args.py).
+    report = mp.Queue()
+    driver = mp.get_context("spawn").Process(target=w_carry_by, args=(method, report))
+    driver.start()
+    reap.append(driver)
+    assert report.get(timeout=T) == [0, 1]
+    join_ok(driver)
 
 
 def test_a_collected_queue_gives_its_file_descriptors_back() -> None:

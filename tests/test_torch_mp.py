@@ -94,6 +94,23 @@ def actor(weights, results, steps) -> None:
         results.put(float(sum(v.sum().item() for v in state.values())))
 
 
+def get_each_then_count_opens(q, out, n) -> None:
+    """Get ``n`` tensors, dropping each before the next; report this process's opens, then
+    (once the parent let its tensor go) whether the segment was unmapped here."""
+    from gpushare import _lifetime
+
+    for _ in range(n):
+        t = q.get(timeout=60)
+        out.put(float(t[0].item()))
+        del t
+    out.put(_lifetime.link_stats()["opens"])
+    q.get(timeout=60)
+    deadline = time.monotonic() + 10
+    while _lifetime.link_stats()["open_mappings"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    out.put(_lifetime.link_stats()["open_mappings"])
+
+
 def receive_then_get(q, report) -> None:
     """Receive a tensor, read it, then wait on the queue; write what happened to ``report``."""
     t = q.get(timeout=60)
@@ -265,6 +282,44 @@ def test_gpu_a_tensor_sent_to_four_consumers_that_drop_it_is_free_within_2_s(rea
     print(f"free {time.monotonic() - start:.3f} s after the last drop")
     for q in qs:
         q.put(None)
+
+
+def test_torchs_storage_use_count_counts_what_the_sharing_reads() -> None:
+    """The private function behind "opened once" (gpushare/torch/_sharing.py): if torch drops
+    or changes it, this fails, and sending a tensor again would open its segment again."""
+    from gpushare.torch import _sharing
+
+    assert _sharing._use_count is not None, f"torch {torch.__version__} has no torch._C._storage_Use_Count"
+    t = torch.zeros(16)
+    storage = t.untyped_storage()
+    view = t[4:]
+    assert _sharing._used_here(storage)
+    del t
+    assert _sharing._used_here(storage)  # the view still uses it
+    del view
+    assert not _sharing._used_here(storage)
+    assert not _sharing._used_here(None)
+
+
+@pytest.mark.gpu
+def test_gpu_a_tensor_sent_again_is_opened_once_and_unmapped_once_let_go(reap) -> None:
+    before = _allocated()
+    t = torch.full((4 * MiB,), 3.0, device="cuda")  # 16 MiB, held here throughout
+    q, out = mp.Queue(), mp.Queue()
+    proc = mp.Process(target=get_each_then_count_opens, args=(q, out, 50))
+    proc.start()
+    reap.append(proc)
+    for _ in range(50):
+        q.put(t)
+        assert out.get(timeout=60) == 3.0  # dropped by the consumer before the next send
+    assert out.get(timeout=60) == 1  # one open for 50 arrivals
+    del t
+    q.put("let go")
+    start = time.monotonic()
+    assert out.get(timeout=60) == 0  # the idle segment was retired: unmapped there
+    wait_until(lambda: _allocated() <= before, timeout=2.0)
+    print(f"unmapped and free {time.monotonic() - start:.3f} s after the producer let go")
+    proc.join(30)
 
 
 @pytest.mark.gpu

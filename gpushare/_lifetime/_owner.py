@@ -164,16 +164,22 @@ class Owner:
         )  # fmt: skip
         return desc.to_bytes()
 
-    def share_foreign(self, ptr: int, nbytes: int, device: int, keep: Any, stream: int = 0) -> bytes:
+    def share_foreign(
+        self, ptr: int, nbytes: int, device: int, keep: Any, stream: int = 0, held: Callable[[Any], bool] | None = None
+    ) -> bytes:
         """Descriptor bytes, under a new lease, of ``nbytes`` at ``ptr`` on ``device``: memory
         another allocator made (torch's caching allocator) and ``keep`` keeps allocated.
 
         The segment that holds it becomes a transient record shared by legacy IPC handles.
-        Each lease keeps its ``keep`` until released; the record's last one stays until every
-        importer has unmapped the segment, so the allocator can neither reuse the part nor
-        free the segment under a receiver. A segment whose leases all went is retired: the
-        next share of it makes a new record (receivers open it again). The ready event is
-        recorded on ``stream``."""
+        Each lease keeps its ``keep`` until released; the record's last one stays, as the
+        anchor, until every importer has unmapped the segment, so the allocator can neither
+        reuse the part nor free the segment under a receiver. ``held(anchor)``: whether the
+        sharer itself still uses the anchor's memory. A record whose leases all went stays
+        open while it does (receivers keep their mappings, so the next share of that memory
+        opens nothing); once it does not, or with no ``held``, the record is set aside to be
+        retired. A share of the segment before housekeeping has retired it revives it; after
+        that it makes a new record, which receivers open again. The ready event is recorded
+        on ``stream``."""
         from .. import _cuda
         from .._backends.cuda_ipc import FOREIGN_IPC
         from .._errors import BackendUnavailableError
@@ -196,10 +202,15 @@ class Owner:
             if self._closed:
                 raise ManagerClosedError("the process's CUDA tensor sharing was shut down; it shares no more tensors")
             record = self._foreign.get(key)
-            if record is None or record.dead or not record.leases:
+            if record is not None and not record.dead and not record.leases and self.pool.revive(record):
+                # Unused, and still open: the new lease's part (``keep``) pins the segment
+                # from here on, so the old anchor's part goes back to torch's allocator.
+                record.allocation.native = None
+            elif record is None or record.dead or not record.leases:
                 allocation = _backends.Allocation("cuda_ipc", base, size, device, _cuda.device_uuid(device))
                 record = AllocRecord(next(self._ids), allocation, FOREIGN_IPC)
                 record.transient = True
+                record.held = held
                 record.label = f"a torch segment of {size} bytes on cuda:{device}"
                 state.records[record.alloc_id] = record
                 for stale in [k for k, r in self._foreign.items() if r.dead]:

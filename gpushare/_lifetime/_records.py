@@ -25,7 +25,10 @@ bytes, the oldest pooled allocations are taken out to be freed (by the unmap
 protocol, :mod:`._unmapper`). A *transient* allocation (asked for as such: a loader
 worker's scratch for its first batch, a size no later request asks for) is never
 pooled: once unused it is freed the same way, by a housekeeping round that ``kick``
-starts at once. Every method of the pool runs under the owner's lock.
+starts at once -- unless it is foreign memory its sharer still ``held``: that one stays
+open, idle, until a housekeeping round finds it let go. A share of foreign memory
+revives its idle or set-aside record rather than making a new one. Every method of the
+pool runs under the owner's lock.
 
 The lease table. Each pickling takes an unclaimed lease (:meth:`LeaseTable.take`,
 which also records the ready event the receiver waits on). The receiving process
@@ -67,6 +70,7 @@ class AllocRecord:
         "dead",
         "detached",
         "generation",
+        "held",
         "label",
         "leases",
         "mappers",
@@ -88,6 +92,10 @@ class AllocRecord:
         self.dead = False  # memory freed
         self.detached = False  # the owner shut down while its own Buffers used it: freed when they go
         self.label = ""  # "(64, 1024) float32 on cuda:0", for messages
+        # Foreign memory only: whether its sharer still uses the memory its anchor (the
+        # allocation's ``native``) keeps, apart from the leases. While it does, the record
+        # stays open once unused, so receivers keep their mappings (see Owner.share_foreign).
+        self.held: Callable[[Any], bool] | None = None
 
     @property
     def pool_key(self) -> tuple[str, int | None, int]:
@@ -195,6 +203,7 @@ class AllocationPool:
         self.limit = limit
         self._free: dict[tuple[str, int | None, int], list[AllocRecord]] = {}
         self._unused_transient: list[AllocRecord] = []  # to be freed by housekeeping, started by kick()
+        self._idle_held: set[AllocRecord] = set()  # unused transient records their sharer still holds
         self.kick: Callable[[], object] = lambda: None  # the request loop's: housekeep now
         self.reused = 0
         self._closed = False  # the owner is shutting down: nothing is pooled any more
@@ -216,6 +225,9 @@ class AllocationPool:
         if record.owner_ref or record.leases or record.pooled or record.dead or self._closed:
             return
         if record.transient:
+            if record.held is not None and record.held(record.allocation.native):
+                self._idle_held.add(record)  # open until revived, or found let go by to_free
+                return
             if record not in self._unused_transient:
                 self._unused_transient.append(record)
                 self.kick()
@@ -223,6 +235,18 @@ class AllocationPool:
         record.pooled = True
         self._free.setdefault(record.pool_key, []).append(record)
         self._state.cond.notify_all()
+
+    def revive(self, record: AllocRecord) -> bool:
+        """Take an unused transient ``record`` back for a new lease: one its sharer still
+        holds, or one set aside that housekeeping has not yet taken to be freed. False if
+        it is neither (in use, or on its way to be freed)."""
+        if record in self._idle_held:
+            self._idle_held.discard(record)
+            return True
+        if record in self._unused_transient:
+            self._unused_transient.remove(record)
+            return True
+        return False
 
     def close(self) -> None:
         """The owner is shutting down: nothing is pooled any more."""
@@ -241,10 +265,17 @@ class AllocationPool:
         return victims
 
     def to_free(self) -> list[AllocRecord]:
-        """What housekeeping frees: the unused transient allocations, then the oldest pooled
-        allocations until the pool holds at most ``limit`` bytes."""
+        """What housekeeping frees: the unused transient allocations (with the idle held ones
+        whose sharer let go), then the oldest pooled allocations until the pool holds at
+        most ``limit`` bytes."""
         unused, self._unused_transient = self._unused_transient, []
         unused = [r for r in unused if not (r.owner_ref or r.leases or r.dead)]
+        for record in list(self._idle_held):
+            if record.dead or record.leases:  # freed at shutdown meanwhile
+                self._idle_held.discard(record)
+            elif record.held is None or not record.held(record.allocation.native):
+                self._idle_held.discard(record)  # its sharer let go: freed like any unused transient record
+                unused.append(record)
         if self.limit is None:
             return unused
         pooled = sorted((r for records in self._free.values() for r in records), key=lambda r: r.alloc_id)

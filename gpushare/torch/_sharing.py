@@ -2,8 +2,10 @@
 
 - Sending: a CUDA tensor's storage is leased from this process's :class:`Owner` as
   foreign memory (``Owner.share_foreign``): the lease keeps the storage, so torch's
-  caching allocator cannot hand the block out again until every receiver let go. A
-  storage this process received is re-shared through its own owner's lease.
+  caching allocator cannot hand the block out again until every receiver let go. While
+  this process still uses the storage (torch's use count of it), its segment stays open
+  in the receivers once they let go, so sending it again opens nothing. A storage this
+  process received is re-shared through its own owner's lease.
 - Receiving: the descriptor becomes a gpushare Buffer (a claimed lease on a mapping
   cached per process), and the storage a torch tensor over it; the storage holds the
   Buffer, so dropping the tensor, its views and its storage releases the lease.
@@ -46,6 +48,18 @@ def sharing_owner() -> Any:
                 util.Finalize(None, owner.shutdown, exitpriority=12)
                 _owner = owner
     return owner
+
+
+#: torch's count of the references to a storage's memory: private (torch._C), so it is
+#: read only if present, and tests/test_torch_mp.py checks what it counts. Without it a
+#: segment is retired whenever its receivers let go, and opened again at its next send.
+_use_count: Any = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _used_here(storage: Any) -> bool:
+    """Whether anything in this process besides ``storage`` itself (a tensor, a view)
+    still uses the memory of ``storage``, the anchor of an idle shared segment."""
+    return storage is not None and _use_count(storage._cdata) > 1
 
 
 def _forget_owner() -> None:
@@ -104,7 +118,8 @@ def _share_storage(storage: torch.UntypedStorage) -> bytes:
         return share_bytes(holder.buffer)
     device = storage.device.index
     stream = torch.cuda.current_stream(device).cuda_stream
-    return sharing_owner().share_foreign(storage.data_ptr(), storage.nbytes(), device, storage, stream)
+    held = _used_here if _use_count is not None else None
+    return sharing_owner().share_foreign(storage.data_ptr(), storage.nbytes(), device, storage, stream, held)
 
 
 def reduce_tensor(tensor: torch.Tensor) -> tuple[Any, tuple[Any, ...]]:
