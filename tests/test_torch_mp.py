@@ -103,7 +103,7 @@ def get_each_then_count_opens(q, out, n) -> None:
         t = q.get(timeout=60)
         out.put(float(t[0].item()))
         del t
-    out.put(_lifetime.link_stats()["opens"])
+    out.put(sum(_lifetime.link_stats()["opens"].values()))
     q.get(timeout=60)
     deadline = time.monotonic() + 10
     while _lifetime.link_stats()["open_mappings"] and time.monotonic() < deadline:
