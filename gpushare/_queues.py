@@ -2,6 +2,8 @@
 
 - The region: one anonymous file (``memfd_create``) mapped by every user, inherited under
   fork and passed as an fd while spawning; a byte ring of records ``length, kind, payload``,
+  and past the mapped ring the spill area, where a payload too large for the ring is
+  written at the file's end and read with ``pread`` (its pages punched out once read),
   each side's state in two copies framed by a sequence number and committed by one aligned
   4-byte store (its futex word), one robust process-shared mutex per side. A killed writer
   leaves the last commit; a dead lock holder's lock is taken over (EOWNERDEAD).
@@ -53,7 +55,8 @@ _BUFFER_HEAD = QUEUE_HEAD
 # -- the region: records, two locks, futex wake-ups (the protocol: docs/design.md, "Queues") ----
 
 RING_BYTES = 1 << 20  # the ring's bytes per queue; pages are touched only as messages pass
-MAGIC = b"GSQ3"
+MAGIC = b"GSQ4"
+RING_AT = struct.Struct("<Q")  # at byte 8: the ring's size (attachers map the header and the ring only)
 # Each side's words and copies on cache lines of their own: a put and a get write no line in common.
 PSEQ, CSEQ = 64, 128
 GET_WAITERS, PUT_WAITERS, JOIN_WAITERS = 192, 196, 200  # written only by those about to sleep
@@ -63,6 +66,8 @@ C_AT = (384, 424)
 P_MUTEX, C_MUTEX = 512, 576  # 64 bytes each (a glibc pthread_mutex_t is 40)
 HEADER = 640
 RECORD = struct.Struct("<II")  # payload length, kind
+SPILL = struct.Struct("<QQ")  # a spilled payload's place in the file: offset, length
+PAGE = mmap.PAGESIZE
 KIND_DATA, KIND_WRAP, KIND_SPILL = 0, 1, 2
 WRAP_RECORD = RECORD.pack(0, KIND_WRAP)
 FULL, NO_ROOM = 1, 2  # try_put's answers besides 0 (written)
@@ -95,6 +100,14 @@ def _libc() -> tuple[Any, Any]:
 
 
 _blocking, _quick = _libc()
+_fallocate = None
+if sys.platform.startswith("linux"):  # punches a read spill out of the region, portable mode too
+    try:
+        _fallocate = ctypes.CDLL(None, use_errno=True).fallocate
+        _fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+    except (OSError, AttributeError):
+        _fallocate = None
+PUNCH_HOLE = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
 _syscall = None
 if _blocking is not None and _SYS_FUTEX is not None and hasattr(_blocking, "syscall"):
     _syscall = _blocking.syscall
@@ -242,11 +255,15 @@ class Region:
             fd = _new_file(HEADER + ring_bytes)
         self.fd = fd
         self._close_fd = weakref.finalize(self, _close_quietly, fd)  # the mapping keeps a dup of its own
-        self.mm = mm = mmap.mmap(fd, os.fstat(fd).st_size)
         if created:
+            self.mm = mm = mmap.mmap(fd, HEADER + ring_bytes)
             mm[0:4] = MAGIC
-        elif mm[0:4] != MAGIC:
-            raise ValueError("this file is not a gpushare queue's region")
+            RING_AT.pack_into(mm, 8, ring_bytes)
+        else:
+            head = os.pread(fd, 16, 0)
+            if len(head) < 16 or head[0:4] != MAGIC:
+                raise ValueError("this file is not a gpushare queue's region")
+            self.mm = mm = mmap.mmap(fd, HEADER + RING_AT.unpack_from(head, 8)[0])
         self.cap = len(mm) - HEADER
         self.spill_over = self.cap // 4
         self.pseq = ctypes.c_uint32.from_buffer(mm, PSEQ)  # aligned 4-byte loads and stores
@@ -311,7 +328,8 @@ class Region:
 
     def try_put(self, payload: bytes, kind: int, task: int, maxsize: int, pending: int) -> int:
         """Write one record and commit it (0), or FULL (``maxsize`` messages, counting this
-        process's ``pending``) or NO_ROOM (not in the ring now); ``task``: count a task."""
+        process's ``pending``) or NO_ROOM (not in the ring now); ``task``: count a task. A
+        payload over ``spill_over`` goes to the spill area, and its record says where."""
         lock, mm, pseq = self.plock, self.mm, self.pseq
         if ROBUST:
             err = _trylock(lock.arg)
@@ -330,6 +348,9 @@ class Region:
                 return FULL
             cap = self.cap
             size = len(payload)
+            spill = size > self.spill_over
+            if spill:
+                size = SPILL.size
             need = (size + 15) & ~7  # the record's 8 bytes and the payload, 8-aligned
             at = tail % cap
             skip = cap - at if cap - at < need else 0
@@ -337,6 +358,8 @@ class Region:
                 self.head_seen = self.consumers()[0]
                 if (tail - self.head_seen) + skip + need > cap:
                     return NO_ROOM
+            if spill:
+                payload, kind = self._spill(payload), KIND_SPILL
             if skip:
                 mm[HEADER + at : HEADER + at + 8] = WRAP_RECORD
                 at = 0
@@ -356,6 +379,41 @@ class Region:
         if self.get_waiters.value:  # read after the unlock, which orders it after the commit
             _futex_wake(self.pseq_addr, 1)
         return 0
+
+    def _spill(self, payload: bytes) -> bytes:
+        """Write ``payload`` at the file's end, page-aligned (under the producers' lock, which
+        makes the end a bump pointer every producer shares); its SPILL record. A producer
+        killed before its commit leaves those pages to the region's end."""
+        fd = self.fd
+        at = -(-max(os.fstat(fd).st_size, HEADER + self.cap) // PAGE) * PAGE
+        view = memoryview(payload)
+        done = 0
+        try:
+            while done < len(view):
+                done += os.pwrite(fd, view[done:], at + done)
+        except BaseException:
+            self.punch(at, done)
+            raise
+        return SPILL.pack(at, len(payload))
+
+    def unspill(self, record: bytes) -> bytearray:
+        """Read the payload a SPILL record names, then punch its pages out of the file."""
+        at, length = SPILL.unpack(record)
+        data = bytearray(length)
+        view = memoryview(data)
+        done = 0
+        while done < length:
+            got = os.preadv(self.fd, [view[done:]], at + done)
+            if got <= 0:
+                raise EOFError(f"a spilled message of {length} bytes ends after {done}")
+            done += got
+        self.punch(at, length)
+        return data
+
+    def punch(self, at: int, length: int) -> None:
+        """Give the pages of ``length`` bytes at ``at`` back (the file keeps its size)."""
+        if _fallocate is not None and length > 0:
+            _fallocate(self.fd, PUNCH_HOLE, at, -(-length // PAGE) * PAGE)
 
     def add_task(self) -> None:
         """Count a task whose message waits in this process's backlog."""
@@ -467,40 +525,6 @@ class Region:
         self._close_fd()
 
 
-# -- spill files --------------------------------------------------------------------------------------
-
-
-def spill_dir() -> str:
-    if os.path.isdir("/dev/shm"):
-        return "/dev/shm"
-    import tempfile
-
-    return tempfile.gettempdir()
-
-
-def spill_write(payload: bytes) -> bytes:
-    """Write a payload too large for the ring to a file of its own; its path, as bytes."""
-    path = os.path.join(spill_dir(), f"gpushare-{os.getpid()}-q{os.urandom(8).hex()}")
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o600)
-    try:
-        view = memoryview(payload)
-        while view:
-            view = view[os.write(fd, view) :]
-    except BaseException:
-        os.unlink(path)
-        raise
-    finally:
-        os.close(fd)
-    return os.fsencode(path)
-
-
-def spill_read(path: bytes) -> bytes:
-    """The payload a spill record names; the file goes once read."""
-    with open(path, "rb") as f:
-        os.unlink(path)
-        return f.read()
-
-
 # -- the queues -------------------------------------------------------------------------------
 
 _ATOMS = frozenset({type(None), bool, int, float, complex, str, bytes})
@@ -524,9 +548,9 @@ def _pickle(obj: Any) -> bytes:
     return dumps(obj, None)
 
 
-def _restore(data: bytes) -> Any:
-    """get(): the item ``data`` is the pickle of."""
-    if data.endswith(b"\x85R.") and data.startswith(_BUFFER_HEAD):  # maybe a Buffer's wire form
+def _restore(data: bytes | bytearray) -> Any:
+    """get(): the item ``data`` is the pickle of (a bytearray: a spilled one)."""
+    if isinstance(data, bytes) and data.endswith(b"\x85R.") and data.startswith(_BUFFER_HEAD):  # a Buffer's?
         buf = from_queue_pickle(data)
         if buf is not None:
             return buf
@@ -611,8 +635,6 @@ class _Backlog:
                 if not items:
                     return
             data, kind = items[0]
-            if kind == KIND_DATA and len(data) > region.spill_over:
-                data, kind = items[0] = (spill_write(data), KIND_SPILL)  # at most one file waits here
             while True:
                 seen = region.cseq.value  # before the try: a get after it wakes the wait below
                 if not region.try_put(data, kind, 0, 0, 0):
@@ -647,39 +669,27 @@ def _announce_exit(region: Region, backlog: _Backlog, maxsize: int, pid: int) ->
 
 def _send(region: Region, backlog: _Backlog, maxsize: int, data: bytes, block: bool, timeout: float | None,
           task: int) -> bool:  # fmt: skip
-    """Write one message, behind this process's backlog; False when a bounded queue stayed full.
-
-    A payload too large for the ring goes to a spill file only when it is written: a
-    process killed with a backlog leaves no files behind for it.
-    """
-    payload, kind = data, KIND_DATA
+    """Write one message, behind this process's backlog; False when a bounded queue stayed full."""
     deadline = None if timeout is None else time.monotonic() + timeout
-    try:
-        while True:
-            seen = region.cseq.value  # before the try: a get after it wakes the wait below
-            if backlog.items:
-                answer = FULL if maxsize and region.count() + len(backlog.items) >= maxsize else NO_ROOM
-            else:
-                if kind == KIND_DATA and len(data) > region.spill_over:
-                    payload, kind = spill_write(data), KIND_SPILL
-                answer = region.try_put(payload, kind, task, maxsize, 0)
-                if not answer:
-                    kind = KIND_DATA  # written: the file is the consumer's now
-                    return True
-            if answer == NO_ROOM:  # no room in the ring now: the backlog's thread writes it later
-                if task:
-                    region.add_task()
-                backlog.push(data, KIND_DATA)
+    while True:
+        seen = region.cseq.value  # before the try: a get after it wakes the wait below
+        if backlog.items:
+            answer = FULL if maxsize and region.count() + len(backlog.items) >= maxsize else NO_ROOM
+        else:
+            answer = region.try_put(data, KIND_DATA, task, maxsize, 0)
+            if not answer:
                 return True
-            left = None if deadline is None else deadline - time.monotonic()
-            if not block or (left is not None and left <= 0):
-                return False
-            region.count_waiter("p", region.put_waiters, 1)
-            region.wait_for_get(seen, WATCH_INTERVAL if left is None else min(left, WATCH_INTERVAL))
-            region.count_waiter("p", region.put_waiters, -1)
-    finally:
-        if kind == KIND_SPILL:  # spilled, then not written
-            os.unlink(payload)
+        if answer == NO_ROOM:  # no room in the ring now: the backlog's thread writes it later
+            if task:
+                region.add_task()
+            backlog.push(data, KIND_DATA)
+            return True
+        left = None if deadline is None else deadline - time.monotonic()
+        if not block or (left is not None and left <= 0):
+            return False
+        region.count_waiter("p", region.put_waiters, 1)
+        region.wait_for_get(seen, WATCH_INTERVAL if left is None else min(left, WATCH_INTERVAL))
+        region.count_waiter("p", region.put_waiters, -1)
 
 
 class Queue:
@@ -731,8 +741,8 @@ class Queue:
             raise ValueError(f"Queue {self!r} is closed")
         data = _pickle(obj)
         region, backlog = self._region, self._backlog
-        if backlog.items or len(data) > region.spill_over or region.try_put(data, 0, self._joinable, self._maxsize, 0):
-            # Not written at once: behind this process's backlog, spilled, full, or no room.
+        if backlog.items or region.try_put(data, 0, self._joinable, self._maxsize, 0):
+            # Not written at once: behind this process's backlog, full, or no room.
             had_thread = backlog.thread
             if not _send(region, backlog, self._maxsize, data, block, timeout, self._joinable):
                 raise queue.Full
@@ -769,7 +779,7 @@ class Queue:
         got = self._region.try_get()  # the fast path: a message is there
         if got is not None:
             kind, payload = got
-            item = _restore(spill_read(payload) if kind == KIND_SPILL else payload)
+            item = _restore(self._region.unspill(payload) if kind == KIND_SPILL else payload)
         else:
             item = self._get(block, timeout)
         if type(item) is not _CreatorExited:
@@ -821,7 +831,7 @@ class Queue:
             if child is not None:  # nothing it was to put will come, nor from any child started alike
                 raise main_guard_error(f"child process {child.name}", child.pid)
 
-    def _receive(self, block: bool, timeout: float | None) -> bytes:
+    def _receive(self, block: bool, timeout: float | None) -> bytes | bytearray:
         """One message's bytes (unpickled by ``_restore`` outside the lock); raises queue.Empty."""
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
@@ -832,7 +842,7 @@ class Queue:
         if got is None:
             raise queue.Empty
         kind, payload = got
-        return spill_read(payload) if kind == KIND_SPILL else payload
+        return region.unspill(payload) if kind == KIND_SPILL else payload
 
     @staticmethod
     def _wait(region: Region, deadline: float) -> tuple[int, bytes] | None:

@@ -13,7 +13,10 @@ the ``reap`` fixture kills survivors.
 
 from __future__ import annotations
 
+import os
 import queue
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -30,6 +33,7 @@ from conftest import (
     require,
     start,
     start_guarded,
+    subprocess_env,
     wait_until,
 )
 from workers import echo_sum
@@ -330,7 +334,7 @@ def test_maxsize_blocks_and_times_out_like_the_stdlib() -> None:
 
 def test_a_backlog_and_messages_larger_than_the_ring_arrive_in_order(reap) -> None:
     # 4 MiB of small items outgrow the 1 MiB ring (the producer's backlog thread writes
-    # them as room frees); 2 MiB items spill to files of their own. The child exits
+    # them as room frees); 2 MiB items spill past the ring. The child exits
     # after its last put: at exit it writes out its backlog, as multiprocessing's does.
     q, out = mp.Queue(), mp.Queue()
     small = 4000
@@ -344,6 +348,31 @@ def test_a_backlog_and_messages_larger_than_the_ring_arrive_in_order(reap) -> No
     for item in items:
         local.put(item)
     assert [local.get(timeout=T) for _ in items] == items
+
+
+def test_a_spilled_item_lives_in_the_queues_own_memory_and_goes_once_read(reap) -> None:
+    from gpushare import _queues
+
+    def allocated(q) -> int:
+        return os.fstat(q._region.fd).st_blocks * 512
+
+    q = mp.Queue()
+    ring = allocated(q)
+    big = bytes(range(256)) * (12 << 12)  # 12 MiB, over a quarter of the ring
+    q.put(big)
+    q.put(big[::-1])
+    assert allocated(q) >= ring + 2 * len(big)
+    assert q.get(timeout=5) == big
+    assert q.get(timeout=5) == big[::-1]
+    assert allocated(q) <= ring + 2 * _queues.PAGE  # punched out once read
+    # Never read: gone with the queue, as the ring is (no file of its own anywhere).
+    before = set(os.listdir("/dev/shm"))
+    child = subprocess.run(
+        [sys.executable, "-c", "import gpushare as mp; q = mp.Queue(); q.put(b'x' * (8 << 20))"],
+        env=subprocess_env(), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert child.returncode == 0, child.stderr
+    assert set(os.listdir("/dev/shm")) - before == set()
 
 
 def test_several_producers_and_consumers_get_each_item_once(reap) -> None:
@@ -421,7 +450,6 @@ def test_every_start_method_carries_the_queue(reap, method) -> None:
 
 def test_a_collected_queue_gives_its_file_descriptors_back() -> None:
     import gc
-    import os
 
     gc.collect()
     before = len(os.listdir("/proc/self/fd"))

@@ -138,6 +138,13 @@ def test_it_has_every_name_of_torch_multiprocessing() -> None:
         assert callable(getattr(mp, name)), name
     assert mp.get_all_sharing_strategies() == tmp.get_all_sharing_strategies()
     assert mp.Queue is not tmp.Queue  # gpushare's
+    # Outside torch's __all__, and used by torch's own tests: torch's objects.
+    for name in ("reductions", "_set_thread_name", "_get_thread_name", "ENV_VAR_PARALLEL_START"):
+        assert getattr(mp, name) is getattr(tmp, name), name
+    # Its module names, torch's and multiprocessing's (it is imported as a module, not a context).
+    missing = {n for n in dir(tmp) if not n.startswith("__") and not hasattr(mp, n)}
+    assert missing <= {"_RT", "_all_sharing_strategies", "_atfork", "_prctl_pr_set_pdeathsig", "_sharing_strategy",
+                       "multiprocessing", "sys", "torch"}, missing  # fmt: skip
 
 
 # -- CPU tensors: as torch shares them ---------------------------------------------------------

@@ -6,7 +6,8 @@
 
 The names are torch.multiprocessing's: multiprocessing's (from gpushare, so ``Process``,
 ``Queue``, ``Pool``, ``Pipe`` ... are gpushare's), the sharing strategies, ``spawn`` and
-``start_processes``. Importing it registers :func:`gpushare.torch._sharing.reduce_tensor`
+``start_processes``, and torch's names outside its ``__all__`` (``reductions``, torch's own
+reducer module, and the thread-name helpers). Importing it registers :func:`gpushare.torch._sharing.reduce_tensor`
 with multiprocessing's pickler, as importing torch.multiprocessing registers torch's:
 CPU tensors are shared as torch shares them, and a CUDA tensor's memory is leased, freed for
 reuse once every receiver let it go, with no ``torch.cuda.ipc_collect()``. What changes:
@@ -17,13 +18,17 @@ from __future__ import annotations
 
 import multiprocessing as _multiprocessing
 
-from torch.multiprocessing import (
+from torch.multiprocessing import (  # noqa: F401 (reductions, the thread names: torch's, outside __all__)
+    ENV_VAR_PARALLEL_START,
     ProcessContext,
     ProcessExitedException,
     ProcessRaisedException,
     SpawnContext,
+    _get_thread_name,
+    _set_thread_name,
     get_all_sharing_strategies,
     get_sharing_strategy,
+    reductions,
     set_sharing_strategy,
     spawn,
     start_processes,
