@@ -88,6 +88,19 @@ def sink(q, out, n) -> None:
     out.put(total)
 
 
+def sink_in_order(q, out, n) -> None:
+    """Get ``n`` tensors, the i-th ``full((4,), i)``; report the ones that differ (first 10) and how many."""
+    wrong = []
+    count = 0
+    for i in range(n):
+        values = q.get(timeout=120).tolist()
+        if values != [float(i)] * 4:
+            count += 1
+            if len(wrong) < 10:
+                wrong.append((i, values))
+    out.put((count, wrong))
+
+
 def actor(weights, results, steps) -> None:
     for _ in range(steps):
         state = weights.get(timeout=60)
@@ -375,13 +388,14 @@ def test_gpu_a_thousand_sends_leave_memory_fds_and_threads_flat(reap) -> None:
 def test_gpu_many_small_tensors_through_three_processes(reap) -> None:
     n = int(os.environ.get("GPUSHARE_TEST_SMALL_TENSORS", "20000"))
     a, b, out = mp.Queue(maxsize=64), mp.Queue(maxsize=64), mp.Queue()
-    procs = [mp.Process(target=relay, args=(a, b, n)), mp.Process(target=sink, args=(b, out, n))]
+    procs = [mp.Process(target=relay, args=(a, b, n)), mp.Process(target=sink_in_order, args=(b, out, n))]
     for proc in procs:
         proc.start()
         reap.append(proc)
     for i in range(n):
-        a.put(torch.full((4,), float(i % 7), device="cuda"))
-    assert out.get(timeout=300) == 4.0 * sum(i % 7 for i in range(n))
+        a.put(torch.full((4,), float(i), device="cuda"))  # dropped here at once: blocks are reused
+    count, wrong = out.get(timeout=300)
+    assert count == 0, f"{count} of {n} tensors arrived with other values; (index, values): {wrong}"
     for proc in procs:
         proc.join(30)
         assert proc.exitcode == 0
