@@ -41,6 +41,7 @@ from .._loader import SlotLoader
 from .._loader_workers import prepare_loaders
 from .._torch_trainer import TrainerWeights, train_in_set
 from .._torch_weights import (
+    _layout_dtype,
     as_tensor,
     as_tensors,
     bind,
@@ -63,30 +64,6 @@ __all__ = [
     "state_dict_layout",
     "train_in_set",
 ]
-
-_NUMPY_DTYPES = {
-    torch.bool: "bool",
-    torch.uint8: "uint8",
-    torch.int8: "int8",
-    torch.int16: "int16",
-    torch.int32: "int32",
-    torch.int64: "int64",
-    torch.float16: "float16",
-    torch.float32: "float32",
-    torch.float64: "float64",
-    torch.complex64: "complex64",
-    torch.complex128: "complex128",
-}
-_UNSIGNED = {1: "uint8", 2: "uint16", 4: "uint32", 8: "uint64"}
-
-
-def _layout_dtype(dtype: torch.dtype) -> tuple[str, str | None]:
-    """The NumPy dtype a tensor is stored as, and a tag naming the torch dtype when NumPy has none."""
-    known = _NUMPY_DTYPES.get(dtype)
-    if known is not None:
-        return known, None
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return _UNSIGNED[itemsize], str(dtype).rsplit(".", 1)[-1]  # bfloat16, float8_*, uint16, ...
 
 
 def _as_tensor(buf: Any, tag: str | None) -> torch.Tensor:
