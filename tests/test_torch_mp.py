@@ -101,6 +101,19 @@ def sink_in_order(q, out, n) -> None:
     out.put((count, wrong))
 
 
+def add_late_then_drop(q, out) -> None:
+    """Keep the first tensor; queue a long kernel, then a write to the second, and drop the
+    second at once."""
+    kept = q.get(timeout=60)
+    t = q.get(timeout=60)
+    torch.cuda._sleep(1_000_000_000)  # about 0.5 s of GPU time before the write
+    t.add_(1)
+    del t  # the write is still queued here
+    out.put("dropped")
+    q.get(timeout=60)  # the parent's signal (the first tensor again): done
+    del kept
+
+
 def actor(weights, results, steps) -> None:
     for _ in range(steps):
         state = weights.get(timeout=60)
@@ -396,6 +409,60 @@ def test_gpu_many_small_tensors_through_three_processes(reap) -> None:
         a.put(torch.full((4,), float(i), device="cuda"))  # dropped here at once: blocks are reused
     count, wrong = out.get(timeout=300)
     assert count == 0, f"{count} of {n} tensors arrived with other values; (index, values): {wrong}"
+    for proc in procs:
+        proc.join(30)
+        assert proc.exitcode == 0
+
+
+@pytest.mark.gpu
+def test_gpu_a_dropped_tensor_goes_back_only_after_the_receivers_queued_work(reap) -> None:
+    """A receiver drops a tensor while its write to it is still queued, and keeps another
+    tensor of the same allocator segment (so the segment stays open and only the dropped
+    tensor's block goes back): that block must not be handed out again before the write ran
+    (torch waits for it too)."""
+    q, out = mp.Queue(), mp.Queue()
+    proc = mp.Process(target=add_late_then_drop, args=(q, out))
+    proc.start()
+    reap.append(proc)
+    kept = torch.zeros(1024, device="cuda")
+    t = torch.zeros(1024, device="cuda")  # 4 KiB each: the same 2 MiB segment of torch's small pool
+    ptr = t.data_ptr()
+    q.put(kept)
+    q.put(t)
+    del t
+    assert out.get(timeout=60) == "dropped"
+    q.put(kept)  # a share reads the receivers' releases at once (else housekeeping does, within 0.2 s)
+    others = []
+    deadline = time.monotonic() + 5
+    while True:  # the block back in torch's allocator: the next tensor of its size takes it
+        u = torch.full((1024,), 100.0, device="cuda")
+        if u.data_ptr() == ptr:
+            break
+        others.append(u)
+        assert time.monotonic() < deadline, "the receiver's release never reached the sender"
+        time.sleep(0.01)
+    time.sleep(1.0)  # the receiver's kernel has run by now, whenever it started
+    assert u.min().item() == 100.0 and u.max().item() == 100.0, "the receiver's late write landed in a reused block"
+    q.put("done")
+    proc.join(30)
+    assert proc.exitcode == 0
+
+
+@pytest.mark.gpu
+def test_gpu_a_relay_orders_the_sink_after_a_slow_producers_writes(reap) -> None:
+    """A -> B -> C, where each of A's writes waits behind a kernel of about 1 ms: B never
+    touches the tensors, so only the ready events order C's reads after A's writes."""
+    n = 200
+    a, b, out = mp.Queue(maxsize=8), mp.Queue(maxsize=8), mp.Queue()
+    procs = [mp.Process(target=relay, args=(a, b, n)), mp.Process(target=sink_in_order, args=(b, out, n))]
+    for proc in procs:
+        proc.start()
+        reap.append(proc)
+    for i in range(n):
+        torch.cuda._sleep(2_000_000)  # about 1 ms of GPU time before the write below
+        a.put(torch.full((4,), float(i), device="cuda"))
+    count, wrong = out.get(timeout=120)
+    assert count == 0, f"{count} of {n} tensors arrived before A's writes; (index, values): {wrong}"
     for proc in procs:
         proc.join(30)
         assert proc.exitcode == 0

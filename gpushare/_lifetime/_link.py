@@ -250,6 +250,20 @@ class LeaseRecorder:
 # -- the link and its mapping cache ----------------------------------------------------------
 
 
+def _finish_default_stream(device: int) -> None:
+    """Wait for the work queued on this process's legacy default stream, where torch's and
+    CuPy's work runs, unless it is idle (a query, the common case): once the owner reads a
+    release it may hand the memory out again, so no kernel of this process may still read
+    or write it. A failure is logged and the release goes on: the stream is then unusable."""
+    from .. import _cuda  # CUDA memory only: a host process never loads the CUDA layer
+
+    try:
+        if not _cuda.stream_idle(device):
+            _cuda.stream_synchronize(0, device)
+    except Exception:
+        log.exception("gpushare: waiting for the default stream before a release failed")
+
+
 class _LeaseSource:
     """A lease claimed by this (non-owner) process over its link."""
 
@@ -260,6 +274,8 @@ class _LeaseSource:
         self.lease_id = lease_id
 
     def drop(self, memory: Memory) -> None:
+        if memory.device is not None:
+            _finish_default_stream(memory.device)
         self.link.recorder.note(RELEASE, self.lease_id, memory.alloc_id)
 
     def share(self, memory: Memory) -> tuple[int, bytes, bytes]:

@@ -8,7 +8,8 @@
   process received is re-shared through its own owner's lease.
 - Receiving: the descriptor becomes a gpushare Buffer (a claimed lease on a mapping
   cached per process), and the storage a torch tensor over it; the storage holds the
-  Buffer, so dropping the tensor, its views and its storage releases the lease.
+  Buffer, so dropping the tensor, its views and its storage releases the lease, once the
+  work queued on torch's current stream has finished (torch waits for that stream too).
 - CPU tensors, storages, nested and sparse tensors go to torch's own reducers.
 Why and the rules: docs/design.md, "torch tensors".
 """
@@ -74,10 +75,11 @@ class _Received:
     """The memory of one received storage: torch's tensor over it holds this object (through
     ``__cuda_array_interface__``), and this object holds the Buffer, and so its lease."""
 
-    __slots__ = ("__cuda_array_interface__", "__weakref__", "buffer")
+    __slots__ = ("__cuda_array_interface__", "__weakref__", "buffer", "device")
 
-    def __init__(self, buffer: Buffer) -> None:
+    def __init__(self, buffer: Buffer, device: int) -> None:
         self.buffer = buffer
+        self.device = device
         self.__cuda_array_interface__ = {
             "shape": (buffer.nbytes,),
             "typestr": "|u1",
@@ -86,6 +88,18 @@ class _Received:
             "version": 3,
             "stream": None,  # ordered below, on torch's current stream
         }
+
+    def __del__(self) -> None:
+        # The last tensor or storage over this memory went: as torch does for a received
+        # storage, the work queued on torch's current stream (which may still use the
+        # memory) finishes before the lease goes back. The legacy default stream's is
+        # waited for by the release itself (gpushare._lifetime._link).
+        try:
+            stream = torch.cuda.current_stream(self.device)
+            if stream.cuda_stream != 0 and not stream.query():
+                stream.synchronize()
+        except Exception:  # interpreter shutdown, or a broken context: release all the same
+            pass
 
 
 #: Storages received in this process, by their data pointer: re-sent through their owner.
@@ -98,7 +112,7 @@ def _storage_from(data: bytes) -> torch.UntypedStorage:
     device = memory.device
     assert device is not None  # a CUDA tensor's storage is device memory
     memory.order_stream(torch.cuda.current_stream(device).cuda_stream)
-    holder = _Received(buffer)
+    holder = _Received(buffer, device)
     storage = torch.as_tensor(holder, device=torch.device("cuda", device)).untyped_storage()
     key = storage.data_ptr()
 
