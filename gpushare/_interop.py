@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import weakref
 from typing import Any
 
 import numpy as np
 
 from . import _cuda
 
-__all__ = ["copy_from_cuda_array", "cuda_array_interface", "dlpack_device", "to_dlpack"]
+__all__ = ["copy_from_cuda_array", "cuda_array_interface", "dlpack_device", "exported_buffer", "to_dlpack"]
 
 KDL_CPU = 1
 KDL_CUDA = 2
@@ -45,6 +46,7 @@ def cuda_array_interface(buf: Any, memory: Any) -> dict[str, Any]:
         # it orders its own stream after ours, with no host-side wait.
         stream = _ordering_stream(memory.device)
         memory.order_stream(stream)
+    _exported[(memory.device, address)] = buf  # the consumer holds ``buf`` itself
     return {
         "shape": buf.shape,
         "typestr": buf.dtype.str,
@@ -110,6 +112,17 @@ _DLManagedTensor._fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_
 # Exported tensors still owned by a consumer, by the address of their struct.
 _live: dict[int, tuple[Any, ...]] = {}
 _live_lock = threading.Lock()
+
+#: CUDA buffers handed to another library, through DLPack or ``__cuda_array_interface__``, by
+#: (device, address), while that library holds them: gpushare.torch.multiprocessing sends a
+#: tensor over one of them as that buffer, under its owner's lifetime (see exported_buffer).
+_exported: weakref.WeakValueDictionary[tuple[int, int], Any] = weakref.WeakValueDictionary()
+
+
+def exported_buffer(device: int, address: int) -> Any:
+    """The CUDA Buffer last handed to another library at ``address`` on ``device`` (an
+    ordinal of this process) and still held there, or None."""
+    return _exported.get((device, address))
 
 
 @_DELETER
@@ -207,6 +220,7 @@ def to_dlpack(
     managed.manager_ctx = None
     managed.deleter = _deleter
     keep = buf.view()  # its own count on the memory, alive until the deleter runs
+    _exported[(memory.device, keep._address())] = keep
     address = ctypes.addressof(managed)
     with _live_lock:
         _live[address] = (managed, shape, strides, keep)

@@ -114,6 +114,39 @@ def add_late_then_drop(q, out) -> None:
     del kept
 
 
+def server_tensor_producer(queues, reports) -> None:
+    """A tensor over a Manager(owner="server") buffer to every consumer; return once each
+    has it (the process then exits, the Manager's server stays)."""
+    import gpushare
+
+    manager = gpushare.Manager(owner="server")
+    buf = manager.empty((1024,), "float32", device=0)
+    t = torch.from_dlpack(buf)
+    t.fill_(7.0)
+    for q in queues:
+        q.put(t)
+    while not all(os.path.exists(r + ".got") for r in reports):
+        time.sleep(0.01)
+
+
+def read_for(q, report, seconds) -> None:
+    """Get a tensor, then read its sum every 0.2 s for ``seconds``; report the sums seen."""
+    t = q.get(timeout=60)
+    open(report + ".got", "w").close()
+    sums, end = set(), time.monotonic() + seconds
+    while time.monotonic() < end:
+        sums.add(float(t.sum().item()))
+        time.sleep(0.2)
+    with open(report, "w") as f:
+        f.write(f"{time.time()} {sorted(sums)}")
+
+
+def view_then_forward(q, out) -> None:
+    """Receive a gpushare Buffer, view it as a tensor, and send the tensor on."""
+    out.put(torch.from_dlpack(q.get(timeout=60)))
+    q.get(timeout=60)  # hold the buffer until the parent is done
+
+
 def actor(weights, results, steps) -> None:
     for _ in range(steps):
         state = weights.get(timeout=60)
@@ -468,6 +501,50 @@ def test_gpu_a_relay_orders_the_sink_after_a_slow_producers_writes(reap) -> None
         assert proc.exitcode == 0
 
 
+@pytest.mark.gpu
+def test_gpu_a_tensor_over_a_server_owned_buffer_outlives_its_producer(reap, tmp_path) -> None:
+    """The producer sends a tensor viewing a Manager(owner="server") buffer to 4 consumers and
+    exits: they keep reading the producer's values for 10 s afterwards."""
+    reports = [str(tmp_path / str(i)) for i in range(4)]
+    queues = [mp.Queue() for _ in reports]
+    consumers = [mp.Process(target=read_for, args=(q, r, 12.0)) for q, r in zip(queues, reports, strict=True)]
+    for proc in consumers:
+        proc.start()
+        reap.append(proc)
+    producer = mp.Process(target=server_tensor_producer, args=(queues, reports))
+    producer.start()
+    reap.append(producer)
+    producer.join(60)
+    ended = time.time()
+    assert producer.exitcode == 0
+    for proc, report in zip(consumers, reports, strict=True):
+        proc.join(60)
+        assert proc.exitcode == 0
+        last, sums = open(report).read().split(" ", 1)
+        assert sums == "[7168.0]", f"a consumer read {sums} after its producer exited"
+        assert float(last) - ended >= 10.0
+
+
+@pytest.mark.gpu
+def test_gpu_a_received_buffer_viewed_as_a_tensor_is_sent_on_as_that_buffer(manager, reap) -> None:
+    """B views a gpushare Buffer it received as a tensor and sends the tensor to C: C's write
+    lands in the Manager's buffer (it travels as the buffer, not as torch memory)."""
+    buf = manager.zeros((256,), "float32", device=0)
+    a, b, out = mp.Queue(), mp.Queue(), mp.Queue()
+    procs = [mp.Process(target=view_then_forward, args=(a, b)), mp.Process(target=add_one, args=(b, out))]
+    for proc in procs:
+        proc.start()
+        reap.append(proc)
+    a.put(buf)
+    assert out.get(timeout=60) == "done"
+    assert torch.from_dlpack(buf).sum().item() == 256.0
+    a.put("release")
+    b.put("release")
+    for proc in procs:
+        proc.join(30)
+        assert proc.exitcode == 0
+
+
 _PRODUCER = """
 import os, sys, time, torch
 sys.path.insert(0, {tests!r})
@@ -476,7 +553,7 @@ from test_torch_mp import receive_then_get
 if __name__ == "__main__":
     reports = [os.path.join({folder!r}, str(i)) for i in range(4)]
     queues = [mp.Queue() for _ in reports]
-    procs = [mp.Process(target=receive_then_get, args=(q, r)) for q, r in zip(queues, reports)]
+    procs = [mp.Process(target=receive_then_get, args=(q, r)) for q, r in zip(queues, reports, strict=True)]
     for p in procs:
         p.start()
     t = torch.full((1024,), 2.0, device={device!r})

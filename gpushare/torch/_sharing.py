@@ -1,6 +1,9 @@
 """CUDA tensors pickled with gpushare's lifetime (what gpushare.torch.multiprocessing installs).
 
-- Sending: a CUDA tensor's storage is leased from this process's :class:`Owner` as
+- Sending: a storage over a gpushare Buffer (handed to torch by DLPack or
+  ``__cuda_array_interface__``) travels as that Buffer, under its Manager's lifetime, so a
+  ``Manager(owner="server")`` buffer's tensor outlives its sender. Any other CUDA tensor's
+  storage is leased from this process's :class:`Owner` as
   foreign memory (``Owner.share_foreign``): the lease keeps the storage, so torch's
   caching allocator cannot hand the block out again until every receiver let go. While
   this process still uses the storage (torch's use count of it), its segment stays open
@@ -27,6 +30,7 @@ import torch
 import torch.multiprocessing.reductions as _torch_reductions
 
 from .._buffer import Buffer, memory_of, rebuild_buffer, share_bytes
+from .._interop import exported_buffer
 
 __all__ = ["init_reductions", "rebuild_cuda_tensor", "reduce_tensor", "sharing_owner"]
 
@@ -125,13 +129,23 @@ def _storage_from(data: bytes) -> torch.UntypedStorage:
 
 
 def _share_storage(storage: torch.UntypedStorage) -> bytes:
-    """Descriptor bytes of ``storage``'s memory under a new lease."""
-    ref = _received.get(storage.data_ptr())
+    """Descriptor bytes of ``storage``'s memory under a new lease: a storage received here
+    goes back through its owner, one over a gpushare Buffer (DLPack, ``__cuda_array_interface__``)
+    as that Buffer, under its Manager's lifetime; any other is leased as torch's memory."""
+    ptr, nbytes = storage.data_ptr(), storage.nbytes()
+    ref = _received.get(ptr)
     holder = ref() if ref is not None else None
-    if holder is not None and holder.buffer.nbytes == storage.nbytes():
+    if holder is not None and holder.buffer.nbytes == nbytes:
         return share_bytes(holder.buffer)
     device = storage.device.index
-    stream = torch.cuda.current_stream(device).cuda_stream
+    current = torch.cuda.current_stream(device)
+    buffer = exported_buffer(device, ptr)
+    if buffer is not None and buffer.nbytes == nbytes and not buffer.released:
+        # A Buffer's share records its ready event on the legacy default stream.
+        if current.cuda_stream != 0:
+            torch.cuda.default_stream(device).wait_stream(current)
+        return share_bytes(buffer)
+    stream = current.cuda_stream
     held = _used_here if _use_count is not None else None
     return sharing_owner().share_foreign(storage.data_ptr(), storage.nbytes(), device, storage, stream, held)
 
