@@ -430,21 +430,31 @@ def test_gpu_a_thousand_sends_leave_memory_fds_and_threads_flat(reap) -> None:
     proc.join(30)
 
 
-@pytest.mark.gpu
-def test_gpu_many_small_tensors_through_three_processes(reap) -> None:
-    n = int(os.environ.get("GPUSHARE_TEST_SMALL_TENSORS", "20000"))
-    a, b, out = mp.Queue(maxsize=64), mp.Queue(maxsize=64), mp.Queue()
+def relay_through_three(reap, n: int, maxsize: int, before_each=None) -> tuple[int, list]:
+    """Put ``full((4,), i)`` for i < n on A -> B (relay) -> C (``sink_in_order``), each tensor
+    dropped by A at once (its block is reused); ``before_each()`` runs before each write. C's
+    report: how many tensors arrived with other values, and the first of them."""
+    a, b, out = mp.Queue(maxsize=maxsize), mp.Queue(maxsize=maxsize), mp.Queue()
     procs = [mp.Process(target=relay, args=(a, b, n)), mp.Process(target=sink_in_order, args=(b, out, n))]
     for proc in procs:
         proc.start()
         reap.append(proc)
     for i in range(n):
-        a.put(torch.full((4,), float(i), device="cuda"))  # dropped here at once: blocks are reused
+        if before_each is not None:
+            before_each()
+        a.put(torch.full((4,), float(i), device="cuda"))
     count, wrong = out.get(timeout=300)
-    assert count == 0, f"{count} of {n} tensors arrived with other values; (index, values): {wrong}"
     for proc in procs:
         proc.join(30)
         assert proc.exitcode == 0
+    return count, wrong
+
+
+@pytest.mark.gpu
+def test_gpu_many_small_tensors_through_three_processes(reap) -> None:
+    n = int(os.environ.get("GPUSHARE_TEST_SMALL_TENSORS", "20000"))
+    count, wrong = relay_through_three(reap, n, 64)
+    assert count == 0, f"{count} of {n} tensors arrived with other values; (index, values): {wrong}"
 
 
 @pytest.mark.gpu
@@ -486,19 +496,8 @@ def test_gpu_a_relay_orders_the_sink_after_a_slow_producers_writes(reap) -> None
     """A -> B -> C, where each of A's writes waits behind a kernel of about 1 ms: B never
     touches the tensors, so only the ready events order C's reads after A's writes."""
     n = 200
-    a, b, out = mp.Queue(maxsize=8), mp.Queue(maxsize=8), mp.Queue()
-    procs = [mp.Process(target=relay, args=(a, b, n)), mp.Process(target=sink_in_order, args=(b, out, n))]
-    for proc in procs:
-        proc.start()
-        reap.append(proc)
-    for i in range(n):
-        torch.cuda._sleep(2_000_000)  # about 1 ms of GPU time before the write below
-        a.put(torch.full((4,), float(i), device="cuda"))
-    count, wrong = out.get(timeout=120)
+    count, wrong = relay_through_three(reap, n, 8, lambda: torch.cuda._sleep(2_000_000))  # about 1 ms
     assert count == 0, f"{count} of {n} tensors arrived before A's writes; (index, values): {wrong}"
-    for proc in procs:
-        proc.join(30)
-        assert proc.exitcode == 0
 
 
 @pytest.mark.gpu
