@@ -133,21 +133,19 @@ def _share_storage(storage: torch.UntypedStorage) -> bytes:
     goes back through its owner, one over a gpushare Buffer (DLPack, ``__cuda_array_interface__``)
     as that Buffer, under its Manager's lifetime; any other is leased as torch's memory."""
     ptr, nbytes = storage.data_ptr(), storage.nbytes()
-    ref = _received.get(ptr)
-    holder = ref() if ref is not None else None
-    if holder is not None and holder.buffer.nbytes == nbytes:
-        return share_bytes(holder.buffer)
     device = storage.device.index
     current = torch.cuda.current_stream(device)
-    buffer = exported_buffer(device, ptr)
+    ref = _received.get(ptr)
+    holder = ref() if ref is not None else None
+    buffer = holder.buffer if holder is not None else exported_buffer(device, ptr)
     if buffer is not None and buffer.nbytes == nbytes and not buffer.released:
-        # A Buffer's share records its ready event on the legacy default stream.
+        # A Buffer's share records its ready event on the legacy default stream: order it
+        # after the work on torch's current stream when that is another one.
         if current.cuda_stream != 0:
             torch.cuda.default_stream(device).wait_stream(current)
         return share_bytes(buffer)
-    stream = current.cuda_stream
     held = _used_here if _use_count is not None else None
-    return sharing_owner().share_foreign(storage.data_ptr(), storage.nbytes(), device, storage, stream, held)
+    return sharing_owner().share_foreign(ptr, nbytes, device, storage, current.cuda_stream, held)
 
 
 def reduce_tensor(tensor: torch.Tensor) -> tuple[Any, tuple[Any, ...]]:
