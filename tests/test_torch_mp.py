@@ -506,7 +506,7 @@ def test_gpu_a_tensor_over_a_server_owned_buffer_outlives_its_producer(reap, tmp
     exits: they keep reading the producer's values for 10 s afterwards."""
     reports = [str(tmp_path / str(i)) for i in range(4)]
     queues = [mp.Queue() for _ in reports]
-    consumers = [mp.Process(target=read_for, args=(q, r, 12.0)) for q, r in zip(queues, reports, strict=True)]
+    consumers = [mp.Process(target=read_for, args=(q, r, 14.0)) for q, r in zip(queues, reports, strict=True)]
     for proc in consumers:
         proc.start()
         reap.append(proc)
