@@ -274,7 +274,8 @@ class _LeaseSource:
         self.lease_id = lease_id
 
     def drop(self, memory: Memory) -> None:
-        if memory.device is not None:
+        # An owner that is gone hands nothing out again: there is nothing to wait for.
+        if memory.device is not None and self.link.gone is None:
             _finish_default_stream(memory.device)
         self.link.recorder.note(RELEASE, self.lease_id, memory.alloc_id)
 
