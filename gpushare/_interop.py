@@ -46,7 +46,9 @@ def cuda_array_interface(buf: Any, memory: Any) -> dict[str, Any]:
         # it orders its own stream after ours, with no host-side wait.
         stream = _ordering_stream(memory.device)
         memory.order_stream(stream)
-    _exported[(memory.device, address)] = buf  # the consumer holds ``buf`` itself
+    key = (memory.device, address)
+    if _exported.get(key) is not buf:  # asked again and again of one buffer: entered once
+        _exported[key] = buf  # the consumer holds ``buf`` itself
     return {
         "shape": buf.shape,
         "typestr": buf.dtype.str,
