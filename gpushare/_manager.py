@@ -15,7 +15,7 @@ import math
 import threading
 import warnings
 import weakref
-from multiprocessing import current_process, util
+from multiprocessing import current_process, process, util
 from multiprocessing.managers import State, SyncManager  # type: ignore[attr-defined,unused-ignore]
 
 from . import _manager_server, _seams
@@ -265,12 +265,34 @@ class BufferManager(SyncManager):
             finally:
                 server_shutdown()
 
+        server = self._process  # type: ignore[attr-defined]
+        address, authkey, client = self._address, self._authkey, self._Client  # type: ignore[attr-defined]
+
+        def collected_or_exiting() -> None:
+            if owning.mode != "server" or done.is_set():
+                shutdown()
+                return
+            # Server-owned memory lives while any process holds it: the server stays until
+            # then, neither stopped by the stdlib's finalizer nor joined at this process's exit.
+            done.set()
+            for ring in list(rings):
+                ring.close()  # consumers read what was published, then the ring ends
+            for tensor_set in list(tensor_sets):
+                tensor_set.close()  # readers keep the latest version
+            with owning.lock:
+                owning.closed = True  # no more allocations; buffers held here stay leases like any other
+            _manager_server.ask_to_retire(address, authkey, client)
+            server_shutdown.cancel()
+            process._children.discard(server)  # type: ignore[attr-defined]
+            threading.Thread(target=server.join, name="gpushare-server-reaper", daemon=True).start()
+
         self.shutdown = shutdown  # type: ignore[method-assign,assignment]
         # Also when the Manager is collected, or at exit: after pools terminate their
         # workers (priority 15), before gpushare's queues announce their creator's exit
         # (10) and the stdlib's own finalizer stops the server (0). Workers still
-        # holding buffers get the bounded wait and the leak report, then "bye".
-        util.Finalize(self, shutdown, exitpriority=12)
+        # holding buffers get the bounded wait and the leak report, then "bye"; with
+        # owner="server" they keep the memory instead.
+        util.Finalize(self, collected_or_exiting, exitpriority=12)
 
     def _server_owner(self) -> tuple[str, bytes]:
         """owner="server": the address and token of the server's Owner (one manager call)."""
@@ -434,3 +456,4 @@ def _empty_stats(closed: bool) -> dict[str, Any]:
 
 
 BufferManager.register("_gpushare_owner", callable=_manager_server.owner_info)
+BufferManager.register("_gpushare_retire", callable=_manager_server.retire)

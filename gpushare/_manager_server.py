@@ -7,6 +7,8 @@
   once no lease on its memory is held).
 - ``owner="server"``: the server's Owner, made on first use (:func:`owner_info`), allocates for
   clients by ``Alloc`` requests; each client Buffer is a lease, and the server keeps no reference.
+- Retire: a server-owned Manager collected, or left open at its process's exit, asks its server
+  to exit once no lease is held (:func:`retire`, called by :func:`ask_to_retire`).
 Protocol: docs/design.md, "Who owns the memory".
 """
 
@@ -24,7 +26,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
-__all__ = ["OWNER_MODES", "owner_info", "server_init", "shutdown_owner"]
+__all__ = ["OWNER_MODES", "ask_to_retire", "owner_info", "retire", "server_init", "shutdown_owner"]
 
 log = logging.getLogger("gpushare")
 
@@ -68,14 +70,27 @@ def _watch() -> None:
         from ._backends import host
 
         host.unlink_segments_of(parent_pid)
+    _exit_once_idle(f"the process that started this Manager (pid {parent_pid}) is gone")
+
+
+def _exit_once_idle(reason: str) -> None:
+    """End the server: with owner="server", once no lease on its memory is held or waiting
+    to be claimed."""
     if _mode == "server":
         owner = _owner
         while owner is not None and owner.stats()["leases"]:
             time.sleep(POLL)
         if owner is not None:
             owner.shutdown(0.0)
-    log.info("gpushare: the process that started this Manager (pid %s) is gone; its server exits", parent_pid)
+    log.info("gpushare: %s; its server exits", reason)
     os._exit(0)
+
+
+def retire() -> None:
+    """In the server (a manager call): the client that started it let go of its server-owned
+    Manager (collected, or its process exiting); the server exits once its memory is free."""
+    reason = "the process that started this Manager let go of it"
+    threading.Thread(target=_exit_once_idle, args=(reason,), name="gpushare-server-retire", daemon=True).start()
 
 
 def _at_exit() -> None:
@@ -112,3 +127,21 @@ def shutdown_owner(address: str, token: bytes, timeout: float) -> list[str]:
     finally:
         close_link(token)
     return list(messages)
+
+
+def ask_to_retire(address: Any, authkey: bytes, client: Any) -> None:
+    """In the client that started the server: call :func:`retire` there (a manager call on a
+    connection of its own, made without the Manager, which is being collected)."""
+    from multiprocessing import managers
+
+    try:
+        conn = client(address, authkey=authkey)
+    except OSError:  # the server is gone already
+        return
+    try:
+        ident, _ = managers.dispatch(conn, None, "create", ("_gpushare_retire",), {})  # type: ignore[attr-defined]
+        managers.dispatch(conn, None, "decref", (ident,))  # type: ignore[attr-defined]
+    except (OSError, EOFError):  # the server, with nothing held, exited at once
+        pass
+    finally:
+        conn.close()

@@ -141,13 +141,18 @@ def w_producer(out, consumer_out, backend, how) -> None:
     # "return": exit with the Manager still open and the consumer still holding the buffer
 
 
-def w_server_producer(out, weights, backend) -> None:
-    """owner="server": allocates the weights, hands them on, then is killed."""
+def w_server_producer(out, weights, backend, how, told) -> None:
+    """owner="server": allocates the weights, hands them on, then is killed or, once told,
+    returns with the Manager still open (its exit must neither wait for the consumer nor
+    stop the server)."""
     m = mp.Manager(owner="server")
     buf = m.full((N,), 7.0, "float32", device=device_for(backend), backend=backend)
     weights.put(buf)
     out.put(("server", m._process.pid))
-    time.sleep(T)
+    if how == "sigkill":
+        time.sleep(T)
+    else:
+        told.get(timeout=T)
 
 
 # -- helpers ------------------------------------------------------------------------------
@@ -348,17 +353,27 @@ def test_producer_dies_first(reap, backend, how) -> None:
         kill_quietly(server_pid)
 
 
+@pytest.mark.parametrize("how", ["sigkill", "return"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_server_owned_buffers_outlive_a_killed_producer(reap, backend) -> None:
+def test_server_owned_buffers_outlive_their_producer(reap, backend, how) -> None:
     device = device_for(backend)
-    weights, producer_out, out, control = mp.Queue(), mp.Queue(), mp.Queue(), mp.Queue()
-    producer = start_guarded(reap, w_server_producer, producer_out, weights, backend, device=device)
+    weights, producer_out, out, control, told = mp.Queue(), mp.Queue(), mp.Queue(), mp.Queue(), mp.Queue()
+    producer = start_guarded(reap, w_server_producer, producer_out, weights, backend, how, told, device=device)
     _, server_pid = recv(producer_out, waiting_for="the producer")
     try:
         start_guarded(reap, w_hold_until_told, out, weights, control, device=device)
         assert recv(out) == ("holding", 7.0 * N)
-        os.kill(producer.pid, signal.SIGKILL)
+        ended = time.monotonic()
+        if how == "sigkill":
+            os.kill(producer.pid, signal.SIGKILL)
+        else:
+            told.put("return")
         producer.join(timeout=T)
+        ended = time.monotonic() - ended
+        assert producer.exitcode == (-signal.SIGKILL if how == "sigkill" else 0)
+        # A returning producer neither waits out release_timeout (5 s) for the consumer's
+        # lease nor stops the server that owns the memory.
+        assert ended < 2.5, f"the producer took {ended:.1f} s to end"
         time.sleep(0.5)
         assert process_alive(server_pid, sentinel=False)  # the memory's owner outlives the process that asked for it
         control.put("go")

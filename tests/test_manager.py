@@ -39,6 +39,7 @@ from workers import total, w_hold_until_told, w_sum_each
 
 import gpushare as mp
 from gpushare import _cuda, _lifetime
+from gpushare._service import process_alive
 
 N = 1024  # float32 elements per test buffer
 
@@ -287,6 +288,37 @@ def test_server_mode_manager_api(reap) -> None:
         kept.numpy()
     with pytest.raises(mp.ManagerClosedError, match="shut down"):
         m.empty((4,), device="cpu")
+
+
+def test_a_dropped_server_owned_manager_keeps_its_memory_while_buffers_are_held(reap) -> None:
+    """Collected without shutdown(), a server-owned Manager leaves its server running until
+    the last buffer on its memory is released (here and in a worker); then the server exits."""
+    m = mp.Manager(owner="server")
+    buf = m.full((N,), 6.0, "float32", device="cpu")
+    server = m._process.pid
+    jobs, control, out = mp.Queue(), mp.Queue(), mp.Queue()
+    start_guarded(reap, w_hold_until_told, out, jobs, control)
+    jobs.put(buf)
+    assert recv(out) == ("holding", 6.0 * N)
+    del m
+    gc.collect()
+    assert not any(p.pid == server for p in mp.active_children())  # not joined at this process's exit
+    control.put("go")
+    assert recv(out) == ("after", 6.0 * N)
+    assert recv(out) == ("released",)
+    assert process_alive(server, sentinel=False)
+    assert total(buf) == 6.0 * N  # this process's buffer is a lease like the worker's
+    buf.release()
+    wait_until(lambda: not process_alive(server, sentinel=False), timeout=5.0)
+
+
+def test_a_dropped_server_owned_manager_with_nothing_held_ends_its_server() -> None:
+    m = mp.Manager(owner="server")
+    m.full((N,), 1.0, "float32", device="cpu").release()
+    server = m._process.pid
+    del m
+    gc.collect()
+    wait_until(lambda: not process_alive(server, sentinel=False), timeout=2.0)
 
 
 def test_owner_mode_is_checked() -> None:

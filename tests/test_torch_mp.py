@@ -519,7 +519,8 @@ def test_gpu_a_tensor_over_a_server_owned_buffer_outlives_its_producer(reap, tmp
     for proc, report in zip(consumers, reports, strict=True):
         proc.join(60)
         assert proc.exitcode == 0
-        last, sums = open(report).read().split(" ", 1)
+        with open(report) as f:
+            last, sums = f.read().split(" ", 1)
         assert sums == "[7168.0]", f"a consumer read {sums} after its producer exited"
         assert float(last) - ended >= 10.0
 
