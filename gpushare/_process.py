@@ -39,6 +39,7 @@ __all__ = [
     "cuda_initialized",
     "dumps",
     "main_guard_error",
+    "pickled_directly",
     "stopped_by_main_guard",
 ]
 
@@ -244,6 +245,16 @@ def _reimported_main() -> Any:
     return _main_cache[1]
 
 
+_DIRECT: set[type] = set()  # classes whose objects skip the dry run (pickled_directly)
+
+
+def pickled_directly(cls: type) -> None:
+    """Objects of exactly ``cls`` go straight to ForkingPickler in :func:`dumps`: their reducer
+    acts (a lease, an fd), so the dry run could only say so, and what it returns (a module
+    function and plain values) never needs cloudpickle. A Buffer, a torch tensor."""
+    _DIRECT.add(cls)
+
+
 def dumps(obj: Any, protocol: int | None = pickle.HIGHEST_PROTOCOL) -> bytes:
     """Pickle ``obj`` for another process (see the module docstring): what a child is
     started with, a gpushare queue's items, a Pool's tasks and results, an executor's
@@ -255,6 +266,10 @@ def dumps(obj: Any, protocol: int | None = pickle.HIGHEST_PROTOCOL) -> bytes:
     while multiprocessing is spawning a child (locks, semaphores, connections, the
     authkey) must be pickled then.
     """
+    if type(obj) in _DIRECT:  # a queue's most common item: one pass
+        out = io.BytesIO()
+        ForkingPickler(out, protocol).dump(obj)
+        return out.getvalue()
     main = _reimported_main()
     plain, data = _dry_run(obj, protocol, main)
     if data is not None:

@@ -31,6 +31,7 @@ import torch.multiprocessing.reductions as _torch_reductions
 
 from .._buffer import Buffer, memory_of, rebuild_buffer, share_bytes
 from .._interop import exported_buffer
+from .._process import pickled_directly
 
 __all__ = ["init_reductions", "rebuild_cuda_tensor", "reduce_tensor", "sharing_owner"]
 
@@ -200,3 +201,5 @@ def init_reductions() -> None:
     classes: list[type] = [torch.Tensor, torch.nn.parameter.Parameter, *torch._tensor_classes]
     for cls in classes:
         ForkingPickler.register(cls, reduce_tensor)
+    for cls in (torch.Tensor, torch.nn.parameter.Parameter):
+        pickled_directly(cls)
