@@ -269,11 +269,12 @@ class BufferManager(SyncManager):
         address, authkey, client = self._address, self._authkey, self._Client  # type: ignore[attr-defined]
 
         def collected_or_exiting() -> None:
-            if owning.mode != "server" or done.is_set():
+            # Server-owned memory lives while any process holds it: the server, asked to exit
+            # once none does, is neither stopped by the stdlib's finalizer nor joined at this
+            # process's exit.
+            if owning.mode != "server" or done.is_set() or not _manager_server.ask_to_retire(address, authkey, client):
                 shutdown()
                 return
-            # Server-owned memory lives while any process holds it: the server stays until
-            # then, neither stopped by the stdlib's finalizer nor joined at this process's exit.
             done.set()
             for ring in list(rings):
                 ring.close()  # consumers read what was published, then the ring ends
@@ -281,7 +282,6 @@ class BufferManager(SyncManager):
                 tensor_set.close()  # readers keep the latest version
             with owning.lock:
                 owning.closed = True  # no more allocations; buffers held here stay leases like any other
-            _manager_server.ask_to_retire(address, authkey, client)
             server_shutdown.cancel()
             process._children.discard(server)  # type: ignore[attr-defined]
             threading.Thread(target=server.join, name="gpushare-server-reaper", daemon=True).start()

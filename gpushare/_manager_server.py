@@ -129,19 +129,24 @@ def shutdown_owner(address: str, token: bytes, timeout: float) -> list[str]:
     return list(messages)
 
 
-def ask_to_retire(address: Any, authkey: bytes, client: Any) -> None:
+def ask_to_retire(address: Any, authkey: bytes, client: Any) -> bool:
     """In the client that started the server: call :func:`retire` there (a manager call on a
-    connection of its own, made without the Manager, which is being collected)."""
+    connection of its own, made without the Manager, which is being collected). False when
+    the server refused the call: the caller then shuts it down instead."""
     from multiprocessing import managers
 
     try:
         conn = client(address, authkey=authkey)
     except OSError:  # the server is gone already
-        return
+        return True
     try:
         ident, _ = managers.dispatch(conn, None, "create", ("_gpushare_retire",), {})  # type: ignore[attr-defined]
         managers.dispatch(conn, None, "decref", (ident,))  # type: ignore[attr-defined]
     except (OSError, EOFError):  # the server, with nothing held, exited at once
         pass
+    except Exception as exc:  # a RemoteError: the server could not take the call
+        log.warning("gpushare: the Manager's server did not take the request to retire (%s); stopping it", exc)
+        return False
     finally:
         conn.close()
+    return True
