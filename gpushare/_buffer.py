@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 from . import _seams
 from ._errors import BufferReleasedError
 from ._memory import Descriptor, Memory, _dtype
-from ._process import pickled_directly
 
 if TYPE_CHECKING:
     import numpy as np
@@ -549,6 +548,3 @@ def from_queue_pickle(data: bytes) -> Buffer | None:
         if QUEUE_DATA_AT + length + len(QUEUE_TAIL) == len(data):
             return rebuild_buffer(data[QUEUE_DATA_AT : QUEUE_DATA_AT + length])
     return None
-
-
-pickled_directly(Buffer)

@@ -39,7 +39,7 @@ from multiprocessing.reduction import DupFd, ForkingPickler
 
 from ._buffer import QUEUE_HEAD, Buffer, from_queue_pickle, queue_pickle
 from ._errors import OwnerGoneError
-from ._process import dumps, main_guard_error, stopped_by_main_guard
+from ._process import dumps, main_guard_error, pickled_directly, stopped_by_main_guard
 
 # typing is not imported at run time: it is a measurable share of a child's start (see gpushare._seams).
 TYPE_CHECKING = False
@@ -528,6 +528,7 @@ class Region:
 # -- the queues -------------------------------------------------------------------------------
 
 _ATOMS = frozenset({type(None), bool, int, float, complex, str, bytes})
+pickled_directly(Buffer)  # a Buffer put on a SimpleQueue: one pass (a Queue writes its own form)
 
 
 def _settled(obj: Any, depth: int = 0) -> bool:
