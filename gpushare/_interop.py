@@ -222,7 +222,8 @@ def to_dlpack(
     managed.manager_ctx = None
     managed.deleter = _deleter
     keep = buf.view()  # its own count on the memory, alive until the deleter runs
-    _exported[(memory.device, keep._address())] = keep
+    if memory.device is not None:  # CUDA memory: what exported_buffer() finds
+        _exported[(memory.device, keep._address())] = keep
     address = ctypes.addressof(managed)
     with _live_lock:
         _live[address] = (managed, shape, strides, keep)
