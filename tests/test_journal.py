@@ -196,3 +196,42 @@ def test_claims_in_the_journal_of_a_killed_consumer_are_counted_then_reclaimed(m
     wait_until(lambda: manager.stats()["leases"] == 0, timeout=5)
     assert manager.stats()["unclaimed_leases"] == 0
     buf.release()
+
+
+@pytest.mark.parametrize("via", ["journal", "message"])
+def test_a_foreign_leases_part_stays_as_the_anchor_however_its_release_arrives(via) -> None:
+    """The last lease on foreign memory (a torch segment) leaves its part as the record's
+    anchor, which keeps the segment allocated while receivers may still map it; a sharer
+    that still uses that memory keeps the record open, with no housekeeping round."""
+    from gpushare._backends import Allocation
+    from gpushare._backends.cuda_ipc import FOREIGN_IPC
+    from gpushare._lifetime._records import AllocationPool, AllocRecord, LeaseTable, OwnerState
+
+    state = OwnerState()
+    pool = AllocationPool(state, None)
+    kicks: list[int] = []
+    pool.kick = lambda: kicks.append(1)
+    leases = LeaseTable(state, pool, 60.0)
+    allocation = Allocation("cuda_ipc", 1 << 21, 1 << 21, 0, b"u" * 16, handle=b"h" * 64)
+    record = AllocRecord(1, allocation, FOREIGN_IPC)
+    record.transient = True
+    record.held = lambda anchor: anchor is not None  # the sharer still uses the anchor's memory
+    state.records[record.alloc_id] = record
+    part = object()  # what keeps the leased part allocated (a torch storage)
+    lease_id, _, _ = leases.take(record, 0, record_event=False, keep=part)
+    writer, reader = pair()
+    holder = 7
+    with state.lock:
+        leases.add_journal_locked(holder, reader)
+        if via == "journal":
+            writer.append(_protocol.CLAIM, lease_id)
+            writer.append(_protocol.RELEASE, lease_id)
+            leases.read_journal_locked(holder)
+        else:
+            leases.claim_locked(lease_id, record.alloc_id, holder)
+            leases.release_locked(lease_id, holder)
+    assert not record.leases
+    assert record.allocation.native is part
+    assert pool.idle(record) and not kicks
+    writer.close()
+    reader.close()

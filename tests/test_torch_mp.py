@@ -170,6 +170,13 @@ def get_each_then_count_opens(q, out, n) -> None:
     out.put(_lifetime.link_stats()["open_mappings"])
 
 
+def report_first_and_last(q, out) -> None:
+    """Get tensors until None, reporting each one's first and last values, then dropping it."""
+    while (t := q.get(timeout=60)) is not None:
+        out.put((float(t[0].item()), float(t[-1].item())))
+        del t
+
+
 def receive_then_get(q, report) -> None:
     """Receive a tensor, read it, then wait on the queue; write what happened to ``report``."""
     t = q.get(timeout=60)
@@ -286,6 +293,15 @@ def _allocated() -> int:
     return torch.cuda.memory_allocated()
 
 
+def _allocated_at_rest() -> int:
+    """torch's allocated memory once no segment sent before (an earlier test's) is still
+    being retired: its anchor goes back only after every receiver unmapped it."""
+    from gpushare.torch._sharing import sharing_owner
+
+    wait_until(lambda: sharing_owner().stats()["bytes_allocated"] == 0, timeout=10.0)
+    return _allocated()
+
+
 @pytest.mark.gpu
 def test_gpu_a_cuda_tensor_written_in_a_child_is_seen_by_the_parent(reap) -> None:
     q, out = mp.Queue(), mp.Queue()
@@ -328,7 +344,7 @@ def test_gpu_views_parameters_and_stream_order_arrive_as_torch_delivers_them(rea
 
 @pytest.mark.gpu
 def test_gpu_a_tensor_sent_to_four_consumers_that_drop_it_is_free_within_2_s(reap) -> None:
-    before = _allocated()
+    before = _allocated_at_rest()
     t = torch.ones(64 * MiB, device="cuda")  # 256 MiB
     qs, out = [mp.Queue() for _ in range(4)], mp.Queue()
     procs = [mp.Process(target=hold_then_drop, args=(q, out, 1)) for q in qs]
@@ -369,7 +385,7 @@ def test_torchs_storage_use_count_counts_what_the_sharing_reads() -> None:
 
 @pytest.mark.gpu
 def test_gpu_a_tensor_sent_again_is_opened_once_and_unmapped_once_let_go(reap) -> None:
-    before = _allocated()
+    before = _allocated_at_rest()
     t = torch.full((4 * MiB,), 3.0, device="cuda")  # 16 MiB, held here throughout
     q, out = mp.Queue(), mp.Queue()
     proc = mp.Process(target=get_each_then_count_opens, args=(q, out, 50))
@@ -389,8 +405,43 @@ def test_gpu_a_tensor_sent_again_is_opened_once_and_unmapped_once_let_go(reap) -
 
 
 @pytest.mark.gpu
+def test_gpu_a_segment_is_looked_up_once_and_again_once_torch_made_it_anew(reap, monkeypatch) -> None:
+    from gpushare import _cuda
+    from gpushare.torch._sharing import sharing_owner
+
+    asked = []
+    real = _cuda.segment_of
+    monkeypatch.setattr(_cuda, "segment_of", lambda ptr, ordinal: asked.append(ptr) or real(ptr, ordinal))
+    q, out = mp.Queue(), mp.Queue()
+    proc = mp.Process(target=report_first_and_last, args=(q, out))
+    proc.start()
+    reap.append(proc)
+    t = torch.full((4 * MiB,), 1.0, device="cuda")  # 16 MiB: a segment of its own
+    for _ in range(3):
+        q.put(t)
+        assert out.get(timeout=60) == (1.0, 1.0)
+    assert len(asked) == 1, "a tensor sent again asked the driver for its segment again"
+    first = t.data_ptr()
+    del t
+    # Its record retired (no lease, and torch no longer uses it), so torch may free the
+    # segment and make a larger one at the same address: that one must be looked up anew.
+    wait_until(lambda: sharing_owner().stats()["bytes_allocated"] == 0, timeout=10.0)
+    torch.cuda.empty_cache()
+    t = torch.full((8 * MiB,), 2.0, device="cuda")
+    print(f"the second segment is {'at the same address' if t.data_ptr() == first else 'elsewhere'}")
+    q.put(t)
+    assert out.get(timeout=60) == (2.0, 2.0)
+    assert len(asked) == 2
+    q.put(None)
+    proc.join(30)
+    assert proc.exitcode == 0
+    del t
+    wait_until(lambda: sharing_owner().stats()["bytes_allocated"] == 0, timeout=10.0)
+
+
+@pytest.mark.gpu
 def test_gpu_a_sigkilled_consumers_tensors_are_free_within_2_s(reap) -> None:
-    before = _allocated()
+    before = _allocated_at_rest()
     q, out = mp.Queue(), mp.Queue()
     proc = mp.Process(target=hold_forever, args=(q, out, 8))
     proc.start()

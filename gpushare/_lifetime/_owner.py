@@ -35,7 +35,7 @@ from typing import Any
 
 from .. import _backends
 from .._errors import LeakWarning, ManagerClosedError
-from .._memory import Descriptor, Memory
+from .._memory import Descriptor, Memory, Template
 from ._protocol import LOCAL, Alloc, Bye, Shutdown, Stats, Trim, owner_for, owners, warn
 from ._records import AllocationPool, AllocRecord, Consumers, Lease, LeaseTable, OwnerState, check_alive
 from ._request_loop import Calls, RequestLoop
@@ -82,6 +82,9 @@ class _LocalLeaseSource(_OwnerSource):
 
 _owners = owners  # this process's Owners by token, in _protocol: the consumer side looks there first
 _owners_lock = threading.Lock()
+#: Pointers whose segment, and foreign descriptors, the owner remembers (Owner._segment,
+#: Owner.share_foreign); all forgotten at this many.
+_FOREIGN_AT_MAX = 4096
 
 
 class Owner:
@@ -108,6 +111,10 @@ class Owner:
         self._ids = itertools.count(1)
         # Foreign segments shared now, by (device, base, buffer id): see share_foreign.
         self._foreign: dict[tuple[int, int, int], AllocRecord] = {}
+        # (device, pointer) shared before -> the key of its segment's record (see _segment).
+        self._foreign_at: dict[tuple[int, int], tuple[int, int, int]] = {}
+        # (record id, offset, bytes) -> its descriptor with the lease id and event left open.
+        self._foreign_templates: dict[tuple[int, int, int], Template] = {}
         calls: Calls = {Alloc: self.allocate_for_peer, Stats: self.stats, Trim: self.trim, Shutdown: self.shutdown}
         self.loop = RequestLoop(
             state, self.token, self.authkey, self.leases, self.pool, self.unmapper, self.consumers, calls
@@ -182,17 +189,8 @@ class Owner:
         on ``stream``."""
         from .. import _cuda
         from .._backends.cuda_ipc import FOREIGN_IPC
-        from .._errors import BackendUnavailableError
 
-        base, size, buffer_id, capable = _cuda.segment_of(ptr, device)
-        if not capable:
-            raise BackendUnavailableError(
-                f"the CUDA memory at {ptr:#x} (cuda:{device}) cannot be shared with legacy CUDA IPC handles: "
-                "it was not made by cudaMalloc. torch makes such memory with expandable segments "
-                "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True): unset that setting in the process "
-                "that allocates the tensors, or allocate them as gpushare buffers (Manager.empty, then "
-                "gpushare.torch.as_tensor)"
-            )
+        base, size, buffer_id = self._segment(ptr, device)
         key = (device, base, buffer_id)
         state = self._state
         with state.lock:
@@ -216,17 +214,57 @@ class Owner:
                 for stale in [k for k, r in self._foreign.items() if r.dead]:
                     del self._foreign[stale]
                 self._foreign[key] = record
+                self._foreign_at = {at: k for at, k in self._foreign_at.items() if k in self._foreign}
         try:
             lease_id, event, handle = self.leases.take(record, record.generation, stream=stream, keep=keep)
         except BaseException:
             with state.lock:
                 self.pool.offer(record)  # unused: freed if no other share took a lease on it
             raise
-        desc = Descriptor(
-            "cuda_ipc", self.token, self.address, record.alloc_id, record.generation, lease_id,
-            size, ptr - base, record.allocation.device_uuid, handle, "|u1", (nbytes,), event,
-        )  # fmt: skip
-        return desc.to_bytes()
+        where = (record.alloc_id, ptr - base, nbytes)
+        template = self._foreign_templates.get(where)
+        if template is None:
+            template = Descriptor(
+                "cuda_ipc", self.token, self.address, record.alloc_id, record.generation, 0,
+                size, ptr - base, record.allocation.device_uuid, handle, "|u1", (nbytes,), b"",
+            ).template()  # fmt: skip
+            with state.lock:
+                if len(self._foreign_templates) >= _FOREIGN_AT_MAX:
+                    self._foreign_templates.clear()
+                self._foreign_templates[where] = template
+        return template.fill(lease_id, event)
+
+    def _segment(self, ptr: int, device: int) -> tuple[int, int, int]:
+        """``(base, size, buffer id)`` of the segment that holds ``ptr`` on ``device``.
+
+        The caller keeps the memory at ``ptr`` allocated, so a segment that held it before
+        and is still pinned (by a lease's part, or by its anchor) holds it now: the driver
+        is asked only about a pointer not shared before, or whose segment may have been
+        freed since. A recycled tensor's share asks it nothing."""
+        from .. import _cuda
+        from .._errors import BackendUnavailableError
+
+        state = self._state
+        key = self._foreign_at.get((device, ptr))
+        if key is not None:
+            with state.lock:
+                record = self._foreign.get(key)
+                if record is not None and not record.dead and (record.leases or self.pool.idle(record)):
+                    return key[1], record.allocation.nbytes, key[2]
+        base, size, buffer_id, capable = _cuda.segment_of(ptr, device)
+        if not capable:
+            raise BackendUnavailableError(
+                f"the CUDA memory at {ptr:#x} (cuda:{device}) cannot be shared with legacy CUDA IPC handles: "
+                "it was not made by cudaMalloc. torch makes such memory with expandable segments "
+                "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True): unset that setting in the process "
+                "that allocates the tensors, or allocate them as gpushare buffers (Manager.empty, then "
+                "gpushare.torch.as_tensor)"
+            )
+        with state.lock:
+            if len(self._foreign_at) >= _FOREIGN_AT_MAX:
+                self._foreign_at.clear()
+            self._foreign_at[(device, ptr)] = (device, base, buffer_id)
+        return base, size, buffer_id
 
     def _allocate_record(
         self, backend: _backends.Backend, nbytes: int, device: int | None, label: str, transient: bool = False

@@ -248,6 +248,11 @@ class AllocationPool:
             return True
         return False
 
+    def idle(self, record: AllocRecord) -> bool:
+        """Whether ``record`` is unused but still open: held by its sharer, or set aside and
+        not yet taken to be freed (its anchor still keeps its memory allocated)."""
+        return record in self._idle_held or record in self._unused_transient
+
     def close(self) -> None:
         """The owner is shutting down: nothing is pooled any more."""
         self._closed = True
@@ -378,7 +383,10 @@ class LeaseTable:
                 record = lease.record
                 record.leases.discard(lease_id)
                 if not record.leases:
+                    if lease.keep is not None:  # foreign memory: the anchor, as _forget_locked keeps it
+                        record.allocation.native = lease.keep
                     emptied.append(record)
+                lease.keep = None
             elif lease is not None and lease.holder is None:  # a claim, as claim_locked accepts it
                 lease.holder = holder
                 held.add(lease_id)
