@@ -317,10 +317,13 @@ class JournalReader:
 
         Records are copied out ``_CHUNK`` at a time (never past the end of the
         ring) and checked in one pass over each copy."""
-        out: list[tuple[int, int]] = []
-        append = out.append
         n = start = self._tail
         mm = self._mm
+        value, check = _RECORD.unpack_from(mm, _RECORDS_AT + (n % CAPACITY) * _STRIDE)
+        if check != value ^ ((n * _K ^ _SALT) & _MASK):
+            return []  # nothing new: the usual answer, with no chunk copied
+        out: list[tuple[int, int]] = []
+        append = out.append
         end = n + CAPACITY
         while n < end:
             at = n % CAPACITY
