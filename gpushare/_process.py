@@ -266,12 +266,11 @@ def dumps(obj: Any, protocol: int | None = pickle.HIGHEST_PROTOCOL) -> bytes:
     while multiprocessing is spawning a child (locks, semaphores, connections, the
     authkey) must be pickled then.
     """
-    if type(obj) in _DIRECT:  # a queue's most common item: one pass
-        out = io.BytesIO()
-        ForkingPickler(out, protocol).dump(obj)
-        return out.getvalue()
-    main = _reimported_main()
-    plain, data = _dry_run(obj, protocol, main)
+    if type(obj) in _DIRECT:  # a queue's most common item: the dry run could only say "pickle it"
+        main, plain, data = None, True, None
+    else:
+        main = _reimported_main()
+        plain, data = _dry_run(obj, protocol, main)
     if data is not None:
         return data
     out = io.BytesIO()

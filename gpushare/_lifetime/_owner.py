@@ -111,7 +111,8 @@ class Owner:
         self._ids = itertools.count(1)
         # Foreign segments shared now, by (device, base, buffer id): see share_foreign.
         self._foreign: dict[tuple[int, int, int], AllocRecord] = {}
-        # (device, pointer) shared before -> the key of its segment's record (see _segment).
+        # (device, pointer) shared before -> the key of its segment's record (see _segment); a
+        # stale entry is harmless (its record is checked), so entries go only at the cap.
         self._foreign_at: dict[tuple[int, int], tuple[int, int, int]] = {}
         # (record id, offset, bytes) -> its descriptor with the lease id and event left open.
         self._foreign_templates: dict[tuple[int, int, int], Template] = {}
@@ -214,7 +215,6 @@ class Owner:
                 for stale in [k for k, r in self._foreign.items() if r.dead]:
                     del self._foreign[stale]
                 self._foreign[key] = record
-                self._foreign_at = {at: k for at, k in self._foreign_at.items() if k in self._foreign}
         try:
             lease_id, event, handle = self.leases.take(record, record.generation, stream=stream, keep=keep)
         except BaseException:
