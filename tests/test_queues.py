@@ -350,6 +350,22 @@ def test_a_backlog_and_messages_larger_than_the_ring_arrive_in_order(reap) -> No
     assert [local.get(timeout=T) for _ in items] == items
 
 
+_SPILL_CHILD = """
+import os, gpushare as mp
+q = mp.Queue()
+q.put(b"x" * (8 << 20))  # spilled, never read
+paths = set()
+for fd in os.listdir("/proc/self/fd"):
+    try:
+        paths.add(os.readlink(f"/proc/self/fd/{fd}"))
+    except OSError:
+        pass
+with open("/proc/self/maps") as maps:
+    paths.update(line.split(None, 5)[5].strip() for line in maps if len(line.split(None, 5)) == 6)
+print(os.getpid(), sorted(p for p in paths if p.startswith("/dev/shm/")))
+"""
+
+
 def test_a_spilled_item_lives_in_the_queues_own_memory_and_goes_once_read(reap) -> None:
     from gpushare import _queues
 
@@ -365,16 +381,17 @@ def test_a_spilled_item_lives_in_the_queues_own_memory_and_goes_once_read(reap) 
     assert q.get(timeout=5) == big
     assert q.get(timeout=5) == big[::-1]
     assert allocated(q) <= ring + 2 * _queues.PAGE  # punched out once read
-    # Never read: gone with the queue, as the ring is (no file of its own anywhere).
+    # Never read: gone with the queue, as the ring is (no file of its own anywhere). The
+    # child reports every /dev/shm file it holds open or mapped while the item waits: files
+    # other processes make there at the same time (pytest-xdist workers, the chaos tests'
+    # killed processes) cannot be told apart by name, so the directory alone cannot say.
     before = set(os.listdir("/dev/shm"))
-    child = subprocess.run(
-        [sys.executable, "-c", "import os, gpushare as mp; mp.Queue().put(b'x' * (8 << 20)); print(os.getpid())"],
-        env=subprocess_env(), capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    command = [sys.executable, "-c", _SPILL_CHILD]
+    child = subprocess.run(command, env=subprocess_env(), capture_output=True, text=True, timeout=60)
     assert child.returncode == 0, child.stderr
-    # Tests running beside this one (pytest-xdist workers) may make segments named for their pids.
-    pid = child.stdout.strip()
-    left = [n for n in set(os.listdir("/dev/shm")) - before if not n.startswith("gpushare-") or f"-{pid}-" in n]
+    pid, held = child.stdout.split(None, 1)
+    assert held.strip() == "[]", f"the queue's child held files in /dev/shm: {held.strip()}"
+    left = [n for n in set(os.listdir("/dev/shm")) - before if n.startswith("gpushare-") and f"-{pid}-" in n]
     assert left == []
 
 
