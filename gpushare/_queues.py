@@ -72,6 +72,9 @@ KIND_DATA, KIND_WRAP, KIND_SPILL = 0, 1, 2
 WRAP_RECORD = RECORD.pack(0, KIND_WRAP)
 FULL, NO_ROOM = 1, 2  # try_put's answers besides 0 (written)
 WAKE_ALL = 0x7FFFFFFF
+# The C calls' answers (gpushare._native): a put's as try_put's; a get's EMPTY as None.
+_NATIVE_EMPTY, _NATIVE_PYTHON = -1, -4
+_NATIVE_ANSWERS = {0: 0, -2: FULL, -3: NO_ROOM}
 
 # -- libc: futex and robust mutexes (Linux), with fallbacks ---------------------------------------
 
@@ -271,7 +274,8 @@ class Region:
         self.get_waiters = ctypes.c_uint32.from_buffer(mm, GET_WAITERS)
         self.put_waiters = ctypes.c_uint32.from_buffer(mm, PUT_WAITERS)
         self.join_waiters = ctypes.c_uint32.from_buffer(mm, JOIN_WAITERS)
-        base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+        start = ctypes.c_char.from_buffer(mm)  # an export: the mapping stays while the C calls may use it
+        base = ctypes.addressof(start)
         self.pseq_addr, self.cseq_addr = base + PSEQ, base + CSEQ
         self.plock: Any
         self.clock: Any
@@ -284,6 +288,15 @@ class Region:
             self.plock, self.clock = _RecordLock(fd, 0), _RecordLock(fd, 1)
         if ONE_LOCK:
             self.clock = self.plock
+        # The plain put and get in C where it can be built (gpushare._native): one call each.
+        self.native: Any = None
+        if ROBUST:
+            from . import _native
+
+            self.native = _native.region_ops(
+                start, self.cap, self.spill_over, HEADER, (PSEQ, CSEQ, GET_WAITERS, PUT_WAITERS),
+                (P_AT, C_AT), (P_MUTEX, P_MUTEX if ONE_LOCK else C_MUTEX),
+            )  # fmt: skip
         # This process's last commit on each side, as (seq, the three fields): while the side's
         # seq still reads so, the state is known without reading it. seq -1: none yet.
         self.p_mine: tuple[int, int, int, int] = (-1, 0, 0, 0)
@@ -330,6 +343,11 @@ class Region:
         """Write one record and commit it (0), or FULL (``maxsize`` messages, counting this
         process's ``pending``) or NO_ROOM (not in the ring now); ``task``: count a task. A
         payload over ``spill_over`` goes to the spill area, and its record says where."""
+        native = self.native
+        if native is not None:
+            done = native.put(payload, kind, task, maxsize, pending)
+            if done != _NATIVE_PYTHON:
+                return _NATIVE_ANSWERS[done]
         lock, mm, pseq = self.plock, self.mm, self.pseq
         if ROBUST:
             err = _trylock(lock.arg)
@@ -428,6 +446,13 @@ class Region:
 
     def try_get(self) -> tuple[int, bytes] | None:
         """Take the oldest record and commit (its kind and payload), or None when empty."""
+        native = self.native
+        if native is not None:
+            got = native.get()
+            if got.__class__ is tuple:
+                return got
+            if got == _NATIVE_EMPTY:
+                return None
         lock, mm, cseq = self.clock, self.mm, self.cseq
         # Empty, as far as can be seen without the lock? (A stale tail only says so sooner.)
         mine = self.c_mine
@@ -516,6 +541,7 @@ class Region:
 
     def close(self) -> None:
         """Unmap and close this process's view (other processes keep theirs)."""
+        self.native = None
         for name in ("pseq", "cseq", "get_waiters", "put_waiters", "join_waiters"):
             self.__dict__.pop(name, None)
         try:
