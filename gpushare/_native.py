@@ -11,8 +11,8 @@ use), else nothing.
   the C code shares; anywhere else, with no compiler, or with ``GPUSHARE_QUEUE_NATIVE=0``
   (every user of a queue may differ: both paths follow one protocol), :func:`region_ops`
   is None and the Queue runs its Python path alone.
-- The C calls take the plain case only. Whatever else (a busy lock, a spill, a large
-  message) they hand back untouched, and the Python path takes it.
+- The C calls take the plain case only. Whatever else (a busy lock, a payload to spill)
+  they hand back untouched (PYTHON), and the Python path takes it.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
-__all__ = ["region_ops", "why_not"]
+__all__ = ["EMPTY", "PYTHON", "region_ops", "why_not"]
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_region.c")
-EMPTY, FULL, NO_ROOM, PYTHON = -1, -2, -3, -4  # the C calls' answers besides 0 and a message
+EMPTY, PYTHON = -1, -2  # the C calls' answers besides a put's own (Region.try_put's) and a message
 BUILD_TIMEOUT = 120.0
 MODULE = "gpushare_region"  # the extension's name (its PyInit_ function)
 
@@ -60,8 +60,8 @@ def _ours(path: str) -> bool:
 def _build(source: bytes) -> str:
     """The path of the built library for ``source``: found in a cache folder, or built there.
 
-    Only a build imports subprocess and tempfile: a process that finds the file (every
-    process after the first) pays for a hash of the source and a stat."""
+    Only a build imports subprocess, sysconfig and tempfile: a process that finds the file
+    (every process after the first) pays for a hash of the source and two stats."""
     tag = f"{os.uname().machine}-{sys.implementation.cache_tag}{sys.abiflags}"
     key = f"{zlib.crc32(source):08x}{zlib.adler32(source):08x}-{tag}"
     name = f"region-{key}.so"

@@ -39,6 +39,9 @@ from multiprocessing.reduction import DupFd, ForkingPickler
 
 from ._buffer import QUEUE_HEAD, Buffer, from_queue_pickle, queue_pickle
 from ._errors import OwnerGoneError
+from ._native import EMPTY as NATIVE_EMPTY
+from ._native import PYTHON as NATIVE_PYTHON
+from ._native import region_ops
 from ._process import dumps, main_guard_error, pickled_directly, stopped_by_main_guard
 
 # typing is not imported at run time: it is a measurable share of a child's start (see gpushare._seams).
@@ -72,9 +75,6 @@ KIND_DATA, KIND_WRAP, KIND_SPILL = 0, 1, 2
 WRAP_RECORD = RECORD.pack(0, KIND_WRAP)
 FULL, NO_ROOM = 1, 2  # try_put's answers besides 0 (written)
 WAKE_ALL = 0x7FFFFFFF
-# The C calls' answers (gpushare._native): a put's as try_put's; a get's EMPTY as None.
-_NATIVE_EMPTY, _NATIVE_PYTHON = -1, -4
-_NATIVE_ANSWERS = {0: 0, -2: FULL, -3: NO_ROOM}
 
 # -- libc: futex and robust mutexes (Linux), with fallbacks ---------------------------------------
 
@@ -291,9 +291,7 @@ class Region:
         # The plain put and get in C where it can be built (gpushare._native): one call each.
         self.native: Any = None
         if ROBUST:
-            from . import _native
-
-            self.native = _native.region_ops(
+            self.native = region_ops(
                 start, self.cap, self.spill_over, HEADER, (PSEQ, CSEQ, GET_WAITERS, PUT_WAITERS),
                 (P_AT, C_AT), (P_MUTEX, P_MUTEX if ONE_LOCK else C_MUTEX),
             )  # fmt: skip
@@ -346,8 +344,8 @@ class Region:
         native = self.native
         if native is not None:
             done = native.put(payload, kind, task, maxsize, pending)
-            if done != _NATIVE_PYTHON:
-                return _NATIVE_ANSWERS[done]
+            if done != NATIVE_PYTHON:
+                return done  # 0, FULL or NO_ROOM
         lock, mm, pseq = self.plock, self.mm, self.pseq
         if ROBUST:
             err = _trylock(lock.arg)
@@ -451,7 +449,7 @@ class Region:
             got = native.get()
             if got.__class__ is tuple:
                 return got
-            if got == _NATIVE_EMPTY:
+            if got == NATIVE_EMPTY:
                 return None
         lock, mm, cseq = self.clock, self.mm, self.cseq
         # Empty, as far as can be seen without the lock? (A stale tail only says so sooner.)

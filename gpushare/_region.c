@@ -31,7 +31,9 @@ struct gsq_layout {          /* one region as mapped in this process */
     uint64_t plock, clock;   /* the producers' and consumers' mutexes (the same one in one-lock mode) */
 };
 
-enum { GSQ_EMPTY = -1, GSQ_FULL = -2, GSQ_NO_ROOM = -3, GSQ_PYTHON = -4 };
+/* A put's answers are Region.try_put's (0 written, 1 FULL, 2 NO_ROOM); then the two of
+ * gpushare._native: EMPTY (a get found nothing) and PYTHON (the Python path's turn). */
+enum { GSQ_FULL = 1, GSQ_NO_ROOM = 2, GSQ_EMPTY = -1, GSQ_PYTHON = -2 };
 
 static inline uint32_t load32(const char *p) { return __atomic_load_n((const uint32_t *)p, __ATOMIC_ACQUIRE); }
 static inline uint64_t load64(const char *p) { return __atomic_load_n((const uint64_t *)p, __ATOMIC_ACQUIRE); }

@@ -105,21 +105,28 @@ def test_c_and_python_users_of_one_queue_see_one_stream(reap, monkeypatch, produ
     assert got == [(i, size, {i % 256} if size else set()) for i, size in enumerate(sizes)]
 
 
-def test_the_c_calls_answer_full_and_empty_as_the_python_path() -> None:
+def test_the_c_calls_answer_full_no_room_and_empty_as_the_python_path() -> None:
     native_here()
     q = mp.Queue(maxsize=2)
-    assert q._region.native.get() == _native.EMPTY
+    native = q._region.native
+    assert native.get() == _native.EMPTY
     q.put(1)
     q.put(2)
+    assert native.put(b"x", 0, 0, 2, 0) == _queues.FULL
     with pytest.raises(queue.Full):
         q.put_nowait(3)
     assert [q.get(timeout=5), q.get(timeout=5)] == [1, 2]
     assert q.empty()
+    big = b"y" * (200 << 10)  # under a quarter of the 1 MiB ring: no spill
+    answers = [native.put(big, 0, 0, 0, 0) for _ in range(6)]
+    assert answers == [0, 0, 0, 0, 0, _queues.NO_ROOM] and q.qsize() == 5
+    assert native.get() == (_queues.KIND_DATA, big)
 
 
 KILLED_HOLDER = """
 import os, pickle, signal, time
 import gpushare as mp
+from gpushare._native import PYTHON
 
 def hold(q, ready, side):
     (q._region.plock if side == "p" else q._region.clock).acquire()
@@ -138,13 +145,13 @@ if __name__ == "__main__":
     assert native is not None
     after = pickle.dumps("after")
     h = held_then_killed(q, ready, "p")
-    assert native.put(after, 0, 0, 0, 0) == -4 and q.qsize() == 0  # busy: nothing written
+    assert native.put(after, 0, 0, 0, 0) == PYTHON and q.qsize() == 0  # busy: nothing written
     os.kill(h.pid, signal.SIGKILL)
     h.join(30)
     assert native.put(after, 0, 0, 0, 0) == 0  # the dead holder's lock taken over (EOWNERDEAD)
     h = held_then_killed(q, ready, "c")
     q.put("queued")
-    assert native.get() == -4 and q.qsize() == 2  # busy: nothing taken
+    assert native.get() == PYTHON and q.qsize() == 2  # busy: nothing taken
     os.kill(h.pid, signal.SIGKILL)
     h.join(30)
     kind, payload = native.get()
