@@ -95,6 +95,7 @@ def _build(source: bytes) -> str:
             done = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT, check=False)
             if done.returncode != 0:
                 raise OSError(f"{' '.join(command)} failed: {done.stderr.strip()[:500]}")
+            os.chmod(tmp, 0o700)  # whatever the umask: a file others may write to is never loaded
             os.replace(tmp, path)  # atomic: a process building beside this one finds a whole file
             return path
         except (OSError, subprocess.SubprocessError) as exc:

@@ -67,6 +67,7 @@ def test_the_c_region_is_built_once_then_found(tmp_path) -> None:
     if not used:
         pytest.skip(f"the C region cannot be built here: {why}")
     [built] = [p for p in tmp_path.iterdir() if p.suffix == ".so"]
+    assert built.stat().st_mode & 0o777 == 0o700
     stamp = built.stat().st_mtime_ns
     assert probe(tmp_path) == (True, "None")
     assert [p.name for p in tmp_path.iterdir()] == [built.name]  # no temporary file left beside it
