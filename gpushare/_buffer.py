@@ -534,10 +534,17 @@ def rebuild_buffer(data: bytes) -> Buffer:
     return attach_buffer(Descriptor.from_bytes(data))
 
 
+_attach: Any = None  # _lifetime.attach, imported at the first arrival
+
+
 def attach_buffer(desc: Descriptor) -> Buffer:
     """The Buffer a checked descriptor names, mapped in this process under its lease."""
-    from ._lifetime import attach  # here, not above: a process that never receives loads no lease service
+    global _attach
+    attach = _attach
+    if attach is None:  # here, not above: a process that never receives loads no lease service
+        from ._lifetime import attach
 
+        _attach = attach
     return Buffer(attach(desc), desc.offset, desc.shape, _dtype(desc.dtype))  # a cached dtype
 
 

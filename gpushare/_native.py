@@ -1,5 +1,5 @@
-"""The Queue region's put and get in C (``_region.c``, an extension module built on first
-use), else nothing.
+"""gpushare's small C extension modules, built on first use, else nothing: the Queue region's
+put and get (``_region.c``) and the driver's per-handoff queries (``_cuda/_queries.c``).
 
 - Built with the system C compiler (``$CC``, else ``cc``) and this Python's headers into a
   cache folder (``$GPUSHARE_CACHE``, else ``$XDG_CACHE_HOME/gpushare``, else
@@ -7,12 +7,15 @@ use), else nothing.
   may write to is never used), once per source, machine and Python:
   the file's name carries the source's hash. Later processes load the file; two that build
   at once each write their own and rename it into place.
-- Used only where the Python path's lock is the robust pthread mutex (Linux) on x86-64, which
-  the C code shares; anywhere else, with no compiler, or with ``GPUSHARE_QUEUE_NATIVE=0``
-  (every user of a queue may differ: both paths follow one protocol), :func:`region_ops`
-  is None and the Queue runs its Python path alone.
-- The C calls take the plain case only. Whatever else (a busy lock, a payload to spill)
-  they hand back untouched (PYTHON), and the Python path takes it.
+- The region is used only where the Python path's lock is the robust pthread mutex (Linux)
+  on x86-64, which the C code shares; anywhere else, with no compiler, or with
+  ``GPUSHARE_QUEUE_NATIVE=0`` (every user of a queue may differ: both paths follow one
+  protocol), :func:`region_ops` is None and the Queue runs its Python path alone. Its C
+  calls take the plain case only. Whatever else (a busy lock, a payload to spill) they hand
+  back untouched (PYTHON), and the Python path takes it.
+- The queries (:func:`queries_type`) are used on Linux wherever they build; elsewhere the
+  driver's queries go through ctypes (``_cuda._queries``).
+- ``GPUSHARE_NATIVE=0`` turns both off.
 """
 
 from __future__ import annotations
@@ -27,19 +30,61 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
-__all__ = ["EMPTY", "PYTHON", "region_ops", "why_not"]
+__all__ = ["EMPTY", "PYTHON", "queries_type", "region_ops", "why_not"]
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_region.c")
-EMPTY, PYTHON = -1, -2  # the C calls' answers besides a put's own (Region.try_put's) and a message
+HERE = os.path.dirname(os.path.abspath(__file__))
+EMPTY, PYTHON = -1, -2  # the region's answers besides a put's own (Region.try_put's) and a message
 BUILD_TIMEOUT = 120.0
-MODULE = "gpushare_region"  # the extension's name (its PyInit_ function)
 
-
-_ring: Any = None
-_tried = False
-_lock = threading.Lock()
-#: Why the C path is not in use in this process (None while it is, or before the first try).
+#: Why the Queue's C calls are not in use in this process (None while they are, or before the first try).
 why_not: str | None = None
+
+
+class _Extension:
+    """One C source, built and loaded once per process: the type it exports, or None
+    (``why_not`` says why)."""
+
+    def __init__(self, source: str, module: str, attr: str, stem: str) -> None:
+        self.source = os.path.join(HERE, source)
+        self.module = module  # the extension's name (its PyInit_ function)
+        self.attr = attr
+        self.stem = stem  # the built file's name starts with it
+        self.value: Any = None
+        self.tried = False
+        self.why_not: str | None = None
+        self.lock = threading.Lock()
+
+    def load(self) -> Any:
+        if self.tried:
+            return self.value
+        with self.lock:
+            if self.tried:
+                return self.value
+            try:
+                from importlib.machinery import ExtensionFileLoader
+                from importlib.util import module_from_spec, spec_from_file_location
+
+                with open(self.source, "rb") as f:
+                    path = _build(f.read(), self.source, self.stem)
+                loader = ExtensionFileLoader(self.module, path)
+                spec = spec_from_file_location(self.module, path, loader=loader)
+                if spec is None or spec.loader is None:
+                    raise ImportError(f"cannot load {path}")
+                module = module_from_spec(spec)
+                spec.loader.exec_module(module)
+                self.value = getattr(module, self.attr)
+            except (OSError, ImportError, AttributeError) as exc:
+                self.why_not = f"the C {self.stem} could not be built or loaded: {exc}"
+            self.tried = True
+            return self.value
+
+
+_region = _Extension("_region.c", "gpushare_region", "Ring", "region")
+_queries = _Extension(os.path.join("_cuda", "_queries.c"), "gpushare_queries", "Queries", "queries")
+
+
+def _off() -> bool:
+    return os.environ.get("GPUSHARE_NATIVE", "1") == "0"
 
 
 def _cache_dirs() -> list[str]:
@@ -57,14 +102,15 @@ def _ours(path: str) -> bool:
     return st.st_uid == os.getuid() and not st.st_mode & 0o022
 
 
-def _build(source: bytes) -> str:
-    """The path of the built library for ``source``: found in a cache folder, or built there.
+def _build(source: bytes, path_of_source: str, stem: str) -> str:
+    """The path of the built library for ``source`` (read from ``path_of_source``): found
+    in a cache folder, or built there.
 
     Only a build imports subprocess, sysconfig and tempfile: a process that finds the file
     (every process after the first) pays for a hash of the source and two stats."""
     tag = f"{os.uname().machine}-{sys.implementation.cache_tag}{sys.abiflags}"
     key = f"{zlib.crc32(source):08x}{zlib.adler32(source):08x}-{tag}"
-    name = f"region-{key}.so"
+    name = f"{stem}-{key}.so"
     folders = _cache_dirs()
     for folder in folders:
         path = os.path.join(folder, name)
@@ -90,7 +136,7 @@ def _build(source: bytes) -> str:
             errors.append(f"{folder}: {exc}")
             continue
         compiler = os.environ.get("CC") or "cc"
-        command = [compiler, "-O2", "-shared", "-fPIC", f"-I{include}", "-o", tmp, SOURCE, "-lpthread"]
+        command = [compiler, "-O2", "-shared", "-fPIC", f"-I{include}", "-o", tmp, path_of_source, "-lpthread", "-ldl"]
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT, check=False)
             if done.returncode != 0:
@@ -107,33 +153,6 @@ def _build(source: bytes) -> str:
     raise OSError("; ".join(errors) or "no cache folder")
 
 
-def _load() -> Any:
-    """The extension's ``Ring`` type, built if need be; None (``why_not`` says why) where it
-    cannot be built or loaded."""
-    global _ring, _tried, why_not
-    if _tried:
-        return _ring
-    with _lock:
-        if _tried:
-            return _ring
-        try:
-            from importlib.machinery import ExtensionFileLoader
-            from importlib.util import module_from_spec, spec_from_file_location
-
-            with open(SOURCE, "rb") as f:
-                path = _build(f.read())
-            spec = spec_from_file_location(MODULE, path, loader=ExtensionFileLoader(MODULE, path))
-            if spec is None or spec.loader is None:
-                raise ImportError(f"cannot load {path}")
-            module = module_from_spec(spec)
-            spec.loader.exec_module(module)
-            _ring = module.Ring
-        except (OSError, ImportError, AttributeError) as exc:
-            why_not = f"the C region could not be built or loaded: {exc}"
-        _tried = True
-        return _ring
-
-
 def region_ops(
     start: Any, cap: int, spill_over: int, header: int, words: tuple[int, int, int, int],
     copies: tuple[tuple[int, int], tuple[int, int]], locks: tuple[int, int],
@@ -144,14 +163,25 @@ def region_ops(
     answers as ``Region.try_put`` does or PYTHON, and whose ``get()`` answers ``(kind,
     payload)``, EMPTY or PYTHON. None where they cannot be used."""
     global why_not
-    if os.environ.get("GPUSHARE_QUEUE_NATIVE", "1") == "0":
-        why_not = "GPUSHARE_QUEUE_NATIVE=0"
-        return None
+    for name in ("GPUSHARE_NATIVE", "GPUSHARE_QUEUE_NATIVE"):
+        if os.environ.get(name, "1") == "0":
+            why_not = f"{name}=0"
+            return None
     if not sys.platform.startswith("linux") or os.uname().machine.lower() not in ("x86_64", "amd64"):
         why_not = "the C region is built for Linux on x86-64 only"
         return None
-    ring = _load()
+    ring = _region.load()
     if ring is None:
+        why_not = _region.why_not
         return None
     (p0, p1), (c0, c1) = copies
     return ring(start, ctypes.addressof(start), cap, spill_over, header, *words, p0, p1, c0, c1, *locks)
+
+
+def queries_type() -> Any:
+    """The ``Queries`` type of ``_cuda/_queries.c`` (``Queries(library)`` binds the driver's
+    per-handoff calls in a driver library already loaded), or None where it cannot be
+    built or loaded, off Linux, or with ``GPUSHARE_NATIVE=0``."""
+    if _off() or not sys.platform.startswith("linux"):
+        return None
+    return _queries.load()

@@ -386,16 +386,22 @@ def test_buffer_on_second_gpu_used_by_worker_on_first(manager: mp.BufferManager,
 @pytest.mark.gpu
 def test_queries_keep_the_gil_and_agree_with_the_bindings() -> None:
     """``stream_idle`` and ``event_done`` answer through the GIL-keeping queries on the
-    driver cuda-bindings loaded, and give cuda-bindings' own answers, busy and idle; an
-    event recorded through the GIL-keeping ``cuEventRecord`` orders like one recorded
-    through cuda-bindings."""
+    driver cuda-bindings loaded (the C extension's where it builds), and give cuda-bindings'
+    own answers, busy and idle, as do the ctypes ones; an event recorded through either
+    GIL-keeping ``cuEventRecord`` orders like one recorded through cuda-bindings."""
+    from gpushare import _native
     from gpushare._cuda import _driver, _streams
+    from gpushare._cuda._queries import _Queries
 
     torch = require("torch")
     t = torch.zeros(1 << 20, device="cuda:0")
     event, _ = _cuda.event_create_ipc(0)  # loads the driver here, if no test did before
     queries, driver = _driver._queries, _driver._bindings
     assert queries is not None, "libcuda.so.1 was not found for the GIL-keeping queries"
+    if _native.queries_type() is not None:
+        assert not isinstance(queries, _Queries), "the C queries build here, but the ctypes ones are in use"
+    by_ctypes = _Queries.load()
+    assert by_ctypes is not None
     try:
         for busy in (True, False):
             if busy:
@@ -405,11 +411,14 @@ def test_queries_keep_the_gil_and_agree_with_the_bindings() -> None:
             # The record itself went through the GIL-keeping call (it answers True only
             # when the driver recorded); recorded again, behind the same kernel when busy.
             assert queries.record(key, int(event), 0), "the GIL-keeping cuEventRecord did not record"
+            assert by_ctypes.record(key, int(event), 0), "the ctypes cuEventRecord did not record"
             if not busy:
-                torch.cuda.synchronize()  # the record itself done too
+                torch.cuda.synchronize()  # the records themselves done too
             answers = {
-                "stream, kept": queries.done(key, queries.stream, 0),
-                "event, kept": queries.done(key, queries.event, int(event)),
+                "stream, kept": queries.stream_done(key, 0),
+                "event, kept": queries.event_done(key, int(event)),
+                "stream, ctypes": by_ctypes.stream_done(key, 0),
+                "event, ctypes": by_ctypes.event_done(key, int(event)),
                 "stream, bindings": _streams._finished(
                     driver, 0, "cuStreamQuery", driver.cuStreamQuery, _driver._stream(driver, 0)
                 ),

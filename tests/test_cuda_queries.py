@@ -1,9 +1,10 @@
-"""The per-handoff queries that keep the GIL (``gpushare._cuda._queries._Queries``), without a GPU.
+"""The per-handoff queries that keep the GIL (``gpushare._cuda._queries.load``), without a GPU.
 
 A stand-in driver library, compiled here from C, exports the four symbols
 with the driver's signatures; the tests load it the way ``_cuda`` loads
-``libcuda.so.1`` and check the answers, that nothing is loaded that was not
-already, and that a call really keeps the GIL: a slow stand-in query must
+``libcuda.so.1``, through the C extension (``_cuda/_queries.c``) and through
+ctypes (``_Queries``), and check the answers, that nothing is loaded that was
+not already, and that a call really keeps the GIL: a slow stand-in query must
 stop every other Python thread of the process for as long as it runs (the
 same call through ``ctypes.CDLL``, which releases the GIL, lets them run).
 The GPU suite checks the same queries against cuda-bindings on a real device
@@ -22,7 +23,8 @@ from typing import Any
 
 import pytest
 
-from gpushare._cuda._queries import _Queries
+from gpushare import _native
+from gpushare._cuda._queries import _Queries, load
 
 CURRENT = 0x1234  # the stand-in's current context
 SLOW_STREAM = 0x77  # a stream whose query takes SLOW_S in C
@@ -64,38 +66,49 @@ def _build(tmp_path: Path, name: str) -> Path:
     return lib
 
 
+@pytest.fixture(params=["c", "ctypes"])
+def native(request: pytest.FixtureRequest) -> bool:
+    """Each test runs on both implementations: the C extension's, and ctypes'."""
+    if request.param == "c" and _native.queries_type() is None:
+        why = _native._queries.why_not or "not Linux, or GPUSHARE_NATIVE=0"
+        pytest.skip(f"the C queries cannot be built here: {why}")
+    return request.param == "c"
+
+
 @pytest.fixture
-def stub(tmp_path: Path) -> tuple[ctypes.CDLL, _Queries]:
+def stub(tmp_path: Path, native: bool) -> tuple[ctypes.CDLL, Any]:
     """The stand-in, loaded (as cuda-bindings loads the driver), and the queries on it."""
     path = _build(tmp_path, "libstubcuda.so")
     lib = ctypes.CDLL(str(path))
-    queries = _Queries.load(str(path))
+    queries = load(str(path), native)
     assert queries is not None
+    assert isinstance(queries, _Queries) is not native
     lib.stub_set.argtypes = [ctypes.c_void_p, ctypes.c_int]
     return lib, queries
 
 
-def test_answers_done_not_ready_and_leaves_the_rest_to_the_bindings(stub: tuple[Any, _Queries]) -> None:
+def test_answers_done_not_ready_and_leaves_the_rest_to_the_bindings(stub: tuple[Any, Any]) -> None:
     lib, q = stub
-    assert q.done(CURRENT, q.stream, 0) is True
+    assert q.stream_done(CURRENT, 0) is True
     lib.stub_set(CURRENT, 600)  # CUDA_ERROR_NOT_READY
-    assert q.done(CURRENT, q.stream, 0) is False
+    assert q.stream_done(CURRENT, 0) is False
     lib.stub_set(CURRENT, 400)  # CUDA_ERROR_INVALID_HANDLE: cuda-bindings asks again and raises
-    assert q.done(CURRENT, q.stream, 0) is None
-    assert q.done(CURRENT, q.event, 0) is True
-    assert q.done(CURRENT, q.event, 600) is False
-    assert q.done(CURRENT, q.event, 1) is None
+    assert q.stream_done(CURRENT, 0) is None
+    assert q.event_done(CURRENT, 0) is True
+    assert q.event_done(CURRENT, 600) is False
+    assert q.event_done(CURRENT, 1) is None
 
 
-def test_no_answer_when_the_primary_context_is_not_current(stub: tuple[Any, _Queries]) -> None:
+def test_no_answer_when_the_primary_context_is_not_current(stub: tuple[Any, Any]) -> None:
     lib, q = stub
-    assert q.done(None, q.stream, 0) is None  # this process has not entered the device yet
-    assert q.done(CURRENT + 8, q.stream, 0) is None  # another context (torch's own, say)
+    assert q.stream_done(None, 0) is None  # this process has not entered the device yet
+    assert q.stream_done(CURRENT + 8, 0) is None  # another context (torch's own, say)
+    assert q.event_done(CURRENT + 8, 0) is None
     lib.stub_set(None, 0)
-    assert q.done(CURRENT, q.stream, 0) is None  # no context on this thread
+    assert q.stream_done(CURRENT, 0) is None  # no context on this thread
 
 
-def test_records_an_event_only_in_the_primary_context(stub: tuple[Any, _Queries]) -> None:
+def test_records_an_event_only_in_the_primary_context(stub: tuple[Any, Any]) -> None:
     lib, q = stub
     lib.stub_recorded.restype = ctypes.c_void_p
     assert q.record(CURRENT, 0x51, 0) is True
@@ -113,16 +126,36 @@ def test_records_an_event_only_in_the_primary_context(stub: tuple[Any, _Queries]
     assert lib.stub_recorded(0) == 0x52
 
 
-def test_loads_only_a_library_already_loaded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_loads_only_a_library_already_loaded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, native: bool) -> None:
     path = _build(tmp_path, "libnotloaded.so")
-    assert _Queries.load(str(path)) is None  # RTLD_NOLOAD: never a second copy of the driver
-    assert _Queries.load("libgpushare-no-such-driver.so.1") is None
+    assert load(str(path), native) is None  # RTLD_NOLOAD: never a second copy of the driver
+    assert load("libgpushare-no-such-driver.so.1", native) is None
     ctypes.CDLL(str(path))
-    assert _Queries.load(str(path)) is not None
+    assert load(str(path), native) is not None
     monkeypatch.setenv("CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM", "1")
-    assert _Queries.load(str(path)) is None  # the plain symbols name the legacy default stream
+    assert load(str(path), native) is None  # the plain symbols name the legacy default stream
     monkeypatch.setenv("CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM", "0")
-    assert _Queries.load(str(path)) is not None
+    assert load(str(path), native) is not None
+
+
+def test_gpushare_native_0_leaves_the_ctypes_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = _build(tmp_path, "libstubcuda.so")
+    ctypes.CDLL(str(path))
+    monkeypatch.setenv("GPUSHARE_NATIVE", "0")
+    queries = load(str(path))
+    assert isinstance(queries, _Queries)
+    assert queries.stream_done(CURRENT, 0) is True
+
+
+def test_a_library_without_the_driver_calls_is_refused(tmp_path: Path, native: bool) -> None:
+    src = tmp_path / "other.c"
+    src.write_text("int cuCtxGetCurrent(void **p) { return 0; }\n")
+    cc = shutil.which("cc") or shutil.which("gcc")
+    assert cc is not None
+    lib = tmp_path / "libother.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib), str(src)], check=True, timeout=60)
+    ctypes.CDLL(str(lib))
+    assert load(str(lib), native) is None
 
 
 def _steps_of_another_thread_during(call: Any) -> int:
@@ -148,10 +181,10 @@ def _steps_of_another_thread_during(call: Any) -> int:
         t.join(timeout=10)
 
 
-def test_a_query_keeps_the_gil(stub: tuple[Any, _Queries], tmp_path: Path) -> None:
+def test_a_query_keeps_the_gil(stub: tuple[Any, Any], tmp_path: Path) -> None:
     lib, q = stub
     started = time.monotonic()
-    kept = _steps_of_another_thread_during(lambda: q.done(CURRENT, q.stream, SLOW_STREAM))
+    kept = _steps_of_another_thread_during(lambda: q.stream_done(CURRENT, SLOW_STREAM))
     assert time.monotonic() - started >= SLOW_S
     # The same slow call through CDLL releases the GIL: the other thread runs meanwhile.
     released_query = lib.cuStreamQuery

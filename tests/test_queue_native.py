@@ -80,6 +80,8 @@ def test_a_failed_build_leaves_the_python_path_and_says_why(tmp_path) -> None:
     assert "could not be built" in why and "false" in why
     assert list(tmp_path.iterdir()) == []
     assert probe(tmp_path / "off", GPUSHARE_QUEUE_NATIVE="0") == (False, "GPUSHARE_QUEUE_NATIVE=0")
+    assert probe(tmp_path / "off", GPUSHARE_NATIVE="0") == (False, "GPUSHARE_NATIVE=0")
+    assert not (tmp_path / "off").exists()
 
 
 def test_a_folder_others_may_write_to_is_never_used(tmp_path) -> None:

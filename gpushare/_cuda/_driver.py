@@ -18,8 +18,6 @@ TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (see gpus
 if TYPE_CHECKING:
     from typing import Any
 
-    from ._queries import _Queries
-
 IPC_HANDLE_SIZE = 64
 
 _lock = _thread.RLock()
@@ -27,7 +25,7 @@ _bindings: Any = None  # cuda.bindings.driver, set by _load once cuInit succeede
 _init_error: BaseException | None = None
 _success: Any = None  # CUresult.CUDA_SUCCESS and CUDA_ERROR_NOT_READY, set by _load
 _not_ready: Any = None
-_queries: _Queries | None = None  # the per-handoff queries that keep the GIL, set by _load
+_queries: Any = None  # the per-handoff queries that keep the GIL (_queries.load), set by _load
 _count: int | None = None
 _visible_at_load: tuple[str | None] | None = None  # (CUDA_VISIBLE_DEVICES,) when _load first ran
 _primary: dict[int, Any] = {}  # ordinal -> retained primary context
@@ -82,9 +80,9 @@ def _load() -> Any:
             )
             raise _init_error
         _success, _not_ready = driver.CUresult.CUDA_SUCCESS, driver.CUresult.CUDA_ERROR_NOT_READY
-        from ._queries import _Queries  # ctypes comes with the driver, not with this package
+        from ._queries import load  # ctypes comes with the driver, not with this package
 
-        _queries = _Queries.load()
+        _queries = load()
         _bindings = driver
         from .. import _seams  # with the driver, not with this package (which loads nothing else)
 

@@ -5,9 +5,13 @@ cuda-bindings releases the GIL around every driver call. For
 which do not wait for the device and return at once, that lets another
 thread (a Queue's feeder, woken by the put before) take the GIL in the middle
 of a put or a publish, and the caller then waits for it to give the GIL back.
-:class:`_Queries` calls these four on the driver library cuda-bindings already
-loaded, with the GIL held. :func:`gpushare._cuda._driver._load` makes one when the driver loads
-(so this module, and ctypes, are imported then, not with the package).
+:func:`load` binds these four on the driver library cuda-bindings already
+loaded, to be called with the GIL held: through the C extension ``_queries.c``
+where ``gpushare._native`` builds it (no ctypes object per call: a stream query
+costs well under a microsecond of Python), else through :class:`_Queries`
+(ctypes). Both answer alike. :func:`gpushare._cuda._driver._load` calls
+:func:`load` when the driver loads (so this module, and ctypes, are imported
+then, not with the package).
 """
 
 from __future__ import annotations
@@ -62,11 +66,18 @@ class _Queries:
         except (OSError, AttributeError):  # not loaded under that name, or not a CUDA driver
             return None
 
-    def done(self, key: int | None, query: Any, handle: int) -> bool | None:
-        """``query(handle)`` when the primary context ``key`` is current on this thread:
-        True when done, False when not yet; None when this cannot answer (another
+    def stream_done(self, key: int | None, stream: int) -> bool | None:
+        """``cuStreamQuery(stream)`` when the primary context ``key`` is current on this
+        thread: True when done, False when not yet; None when this cannot answer (another
         context current, or an error: the caller asks again through cuda-bindings,
         which sets the context or reports the error with its name)."""
+        return self._done(key, self.stream, stream)
+
+    def event_done(self, key: int | None, event: int) -> bool | None:
+        """``cuEventQuery(event)``, answered as :meth:`stream_done` answers."""
+        return self._done(key, self.event, event)
+
+    def _done(self, key: int | None, query: Any, handle: int) -> bool | None:
         if not self._current(key):
             return None
         err = query(handle)
@@ -91,3 +102,20 @@ class _Queries:
             return False
         current = ctypes.c_void_p()
         return self.ctx(current) == _CUDA_SUCCESS and current.value == key
+
+
+def load(library: str = "libcuda.so.1", native: bool = True) -> Any:
+    """The queries on the driver library already loaded (the C extension's where it builds
+    and ``native``, else :class:`_Queries`), or None (use cuda-bindings)."""
+    if os.environ.get("CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM", "0") not in ("", "0"):
+        return None
+    if native:
+        from .. import _native
+
+        kind = _native.queries_type()
+        if kind is not None:
+            try:
+                return kind(library)
+            except ImportError:  # not loaded under that name, or not a CUDA driver
+                return None
+    return _Queries.load(library)

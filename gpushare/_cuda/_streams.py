@@ -105,7 +105,7 @@ def stream_idle(ordinal: int, stream: int = 0) -> bool:
         driver = _load()
     queries = _driver._queries
     if queries is not None:
-        done = queries.done(_driver._primary_ints.get(ordinal), queries.stream, stream)
+        done = queries.stream_done(_driver._primary_ints.get(ordinal), stream)
         if done is not None:
             return done
     return _finished(driver, ordinal, "cuStreamQuery", driver.cuStreamQuery, _stream(driver, stream))
@@ -119,7 +119,7 @@ def event_done(event: Any, ordinal: int) -> bool:
         driver = _load()
     queries = _driver._queries
     if queries is not None:
-        done = queries.done(_driver._primary_ints.get(ordinal), queries.event, int(event))
+        done = queries.event_done(_driver._primary_ints.get(ordinal), int(event))
         if done is not None:
             return done
     return _finished(driver, ordinal, "cuEventQuery", driver.cuEventQuery, event)
