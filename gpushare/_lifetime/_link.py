@@ -250,13 +250,20 @@ class LeaseRecorder:
 # -- the link and its mapping cache ----------------------------------------------------------
 
 
+_cuda_layer: Any = None  # gpushare._cuda, imported at the first release of CUDA memory
+
+
 def _finish_default_stream(device: int) -> None:
     """Wait for the work queued on this process's legacy default stream, where torch's and
     CuPy's work runs, unless it is idle (a query, the common case): once the owner reads a
     release it may hand the memory out again, so no kernel of this process may still read
     or write it. A failure is logged and the release goes on: the stream is then unusable."""
-    from .. import _cuda  # CUDA memory only: a host process never loads the CUDA layer
+    global _cuda_layer
+    _cuda = _cuda_layer
+    if _cuda is None:  # CUDA memory only: a host process never loads the CUDA layer
+        from .. import _cuda
 
+        _cuda_layer = _cuda
     try:
         if not _cuda.stream_idle(device):
             _cuda.stream_synchronize(0, device)
