@@ -32,6 +32,10 @@ typedef struct {
 static int Queries_init(Queries *self, PyObject *args, PyObject *kwargs)
 {
     const char *library;
+    if (kwargs != NULL && PyDict_GET_SIZE(kwargs) != 0) {
+        PyErr_SetString(PyExc_TypeError, "Queries(library) takes no keyword arguments");
+        return -1;
+    }
     if (!PyArg_ParseTuple(args, "s", &library))
         return -1;
     void *lib = dlopen(library, RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);
@@ -102,8 +106,9 @@ static int handles(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, voi
     return 0;
 }
 
-/* stream_done(key, stream): True when done, False when not yet, None when this cannot answer. */
-static PyObject *Queries_stream_done(Queries *self, PyObject *const *args, Py_ssize_t nargs)
+/* query(handle) in the primary context key: True when done, False when not yet, None when
+ * this cannot answer. */
+static PyObject *done(Queries *self, PyObject *const *args, Py_ssize_t nargs, query_fn query)
 {
     void *h[1];
     int is;
@@ -111,19 +116,19 @@ static PyObject *Queries_stream_done(Queries *self, PyObject *const *args, Py_ss
         return NULL;
     if (!is)
         Py_RETURN_NONE;
-    return answer(self->stream_query(h[0]));
+    return answer(query(h[0]));
 }
 
-/* event_done(key, event): as stream_done, for the work before the event's last record. */
+/* stream_done(key, stream) */
+static PyObject *Queries_stream_done(Queries *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    return done(self, args, nargs, self->stream_query);  /* not called before current() checked lib */
+}
+
+/* event_done(key, event): for the work before the event's last record. */
 static PyObject *Queries_event_done(Queries *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    void *h[1];
-    int is;
-    if (handles(args, nargs, 2, h) < 0 || current(self, args[0], &is) < 0)
-        return NULL;
-    if (!is)
-        Py_RETURN_NONE;
-    return answer(self->event_query(h[0]));
+    return done(self, args, nargs, self->event_query);
 }
 
 /* record(key, event, stream): True when recorded; False when not (nothing was recorded). */
