@@ -44,11 +44,12 @@ class _Extension:
     """One C source, built and loaded once per process: the type it exports, or None
     (``why_not`` says why)."""
 
-    def __init__(self, source: str, module: str, attr: str, stem: str) -> None:
+    def __init__(self, source: str, module: str, attr: str, stem: str, libraries: tuple[str, ...]) -> None:
         self.source = os.path.join(HERE, source)
         self.module = module  # the extension's name (its PyInit_ function)
         self.attr = attr
         self.stem = stem  # the built file's name starts with it
+        self.libraries = libraries  # what it links with (-l...)
         self.value: Any = None
         self.tried = False
         self.why_not: str | None = None
@@ -65,7 +66,7 @@ class _Extension:
                 from importlib.util import module_from_spec, spec_from_file_location
 
                 with open(self.source, "rb") as f:
-                    path = _build(f.read(), self.source, self.stem)
+                    path = _build(f.read(), self.source, self.stem, self.libraries)
                 loader = ExtensionFileLoader(self.module, path)
                 spec = spec_from_file_location(self.module, path, loader=loader)
                 if spec is None or spec.loader is None:
@@ -79,8 +80,8 @@ class _Extension:
             return self.value
 
 
-_region = _Extension("_region.c", "gpushare_region", "Ring", "region")
-_queries = _Extension(os.path.join("_cuda", "_queries.c"), "gpushare_queries", "Queries", "queries")
+_region = _Extension("_region.c", "gpushare_region", "Ring", "region", ("pthread",))
+_queries = _Extension(os.path.join("_cuda", "_queries.c"), "gpushare_queries", "Queries", "queries", ("dl",))
 
 
 def _off() -> bool:
@@ -102,9 +103,9 @@ def _ours(path: str) -> bool:
     return st.st_uid == os.getuid() and not st.st_mode & 0o022
 
 
-def _build(source: bytes, path_of_source: str, stem: str) -> str:
-    """The path of the built library for ``source`` (read from ``path_of_source``): found
-    in a cache folder, or built there.
+def _build(source: bytes, path_of_source: str, stem: str, libraries: tuple[str, ...]) -> str:
+    """The path of the built library for ``source`` (read from ``path_of_source``, linked
+    with ``libraries``): found in a cache folder, or built there.
 
     Only a build imports subprocess, sysconfig and tempfile: a process that finds the file
     (every process after the first) pays for a hash of the source and two stats."""
@@ -136,7 +137,8 @@ def _build(source: bytes, path_of_source: str, stem: str) -> str:
             errors.append(f"{folder}: {exc}")
             continue
         compiler = os.environ.get("CC") or "cc"
-        command = [compiler, "-O2", "-shared", "-fPIC", f"-I{include}", "-o", tmp, path_of_source, "-lpthread", "-ldl"]
+        command = [compiler, "-O2", "-shared", "-fPIC", f"-I{include}", "-o", tmp, path_of_source]
+        command += [f"-l{name}" for name in libraries]
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT, check=False)
             if done.returncode != 0:

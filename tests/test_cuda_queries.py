@@ -16,12 +16,14 @@ from __future__ import annotations
 import ctypes
 import shutil
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import subprocess_env
 
 from gpushare import _native
 from gpushare._cuda._queries import _Queries, load
@@ -145,6 +147,30 @@ def test_gpushare_native_0_leaves_the_ctypes_path(tmp_path: Path, monkeypatch: p
     queries = load(str(path))
     assert isinstance(queries, _Queries)
     assert queries.stream_done(CURRENT, 0) is True
+
+
+def test_a_failed_build_leaves_the_ctypes_path_and_says_why(tmp_path: Path) -> None:
+    """No compiler: the queries still answer, through ctypes, and the builder says why."""
+    path = _build(tmp_path, "libstubcuda.so")
+    code = (
+        "import ctypes, sys; ctypes.CDLL(sys.argv[1]); from gpushare import _native; "
+        "from gpushare._cuda._queries import _Queries, load; q = load(sys.argv[1]); "
+        "print(isinstance(q, _Queries), q.stream_done(0x1234, 0)); print(_native._queries.why_not)"
+    )
+    cache = tmp_path / "cache"
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(path)],
+        env=subprocess_env(GPUSHARE_CACHE=str(cache), CC="false"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    first, why = done.stdout.strip().split("\n", 1)
+    assert first == "True True"
+    assert "could not be built" in why and "false" in why
+    assert not cache.exists() or list(cache.iterdir()) == []
 
 
 def test_a_library_without_the_driver_calls_is_refused(tmp_path: Path, native: bool) -> None:
