@@ -55,9 +55,8 @@ class _Queries:
 
     @classmethod
     def load(cls, library: str = "libcuda.so.1") -> _Queries | None:
-        """The queries on the driver library already loaded, or None (use cuda-bindings)."""
-        if os.environ.get("CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM", "0") not in ("", "0"):
-            return None
+        """The ctypes queries on the driver library already loaded, or None (use cuda-bindings).
+        :func:`load`, the one entry, has already looked at the default stream in use."""
         no_load = getattr(os, "RTLD_NOLOAD", None)
         if no_load is None:  # no way to ask for the copy already loaded only
             return None
