@@ -594,7 +594,11 @@ EXIT_GRACE = 0.5  # after the end-of-queue marker, seconds get() waits for items
 # before the backlog's close (CLOSE_PRIORITY), whose thread then writes it behind the rest.
 EXIT_PRIORITY = 10
 CLOSE_PRIORITY = 9
-SPIN = 50  # looks at the ring, without the lock and yielding the CPU, before a get() sleeps
+# Before a get() sleeps it looks at the ring, yielding the CPU between looks, for at most
+# SPIN_SECONDS, and only while this handle's previous wait was shorter than that: a stream of
+# items closer together costs no sleep and no wake-up (a consumer of a fan-out to 8 waits
+# about 80 us between items), sparse items cost no spinning (dev/performance.md, "Spinning").
+SPIN_SECONDS = 200e-6
 
 
 def _no_yield() -> None:
@@ -735,6 +739,7 @@ class Queue:
         self._closed = False
         self._joincancelled = False
         self._exit_checked = False  # put() looked whether this process must announce its exit
+        self._spin = True  # the next blocking get() spins before it sleeps (see SPIN_SECONDS)
         self._backlog = _Backlog(self._region)
         self._close: Any = None
         self._jointhread: Any = None
@@ -869,25 +874,28 @@ class Queue:
         kind, payload = got
         return region.unspill(payload) if kind == KIND_SPILL else payload
 
-    @staticmethod
-    def _wait(region: Region, deadline: float) -> tuple[int, bytes] | None:
-        """Spin a moment (a reply is often that near), then sleep on the producers' word."""
+    def _wait(self, region: Region, deadline: float) -> tuple[int, bytes] | None:
+        """Spin a moment if the last wait was as short (a reply is often that near), then
+        sleep on the producers' word."""
         pseq = region.pseq
         seen = pseq.value
         got = region.try_get()  # a put may have come between the caller's try and ``seen``
         if got is not None:
             return got
-        yield_ = getattr(os, "sched_yield", _no_yield)
-        for _ in range(SPIN):
-            if pseq.value != seen:  # a commit: one word, on a line of its own
-                break
-            yield_()  # a producer waiting for this CPU runs first
+        clock = time.monotonic
+        start = clock()
+        if self._spin:
+            yield_ = getattr(os, "sched_yield", _no_yield)
+            until = min(start + SPIN_SECONDS, deadline)
+            while pseq.value == seen and clock() < until:  # a commit: one word, on a line of its own
+                yield_()  # a producer waiting for this CPU runs first
         while True:
             seen = region.pseq.value  # before the try: a put after it wakes the wait below
             got = region.try_get()
             if got is not None:
+                self._spin = clock() - start < SPIN_SECONDS
                 return got
-            left = deadline - time.monotonic()
+            left = deadline - clock()
             if left <= 0:
                 return None
             region.count_waiter("c", region.get_waiters, 1)

@@ -239,6 +239,38 @@ def test_queue_get_timeout_is_still_queue_empty() -> None:
         q.get(block=False)
 
 
+def test_a_get_spins_before_it_sleeps_only_after_a_short_wait(monkeypatch) -> None:
+    # A blocking get() looks at the ring, yielding the CPU, for at most SPIN_SECONDS before
+    # it sleeps, and only when this handle's previous wait was shorter than that.
+    from gpushare import _queues
+
+    yields: list[int] = []
+    monkeypatch.setattr(_queues.os, "sched_yield", lambda: yields.append(1), raising=False)
+    q = mp.Queue()
+
+    def get_after(delay: float) -> int:
+        """get() an item another thread puts ``delay`` s later; how often the get yielded."""
+        yields.clear()
+        putter = threading.Timer(delay, q.put, args=("item",))
+        putter.start()
+        try:
+            assert q.get(timeout=T) == "item"
+        finally:
+            putter.join(timeout=T)
+        return len(yields)
+
+    monkeypatch.setattr(_queues, "SPIN_SECONDS", 0.01)
+    assert get_after(0.05) > 0  # the first wait spins, 10 ms, then sleeps
+    assert get_after(0.05) == 0  # the last wait was longer than the spin: sleep at once
+    monkeypatch.setattr(_queues, "SPIN_SECONDS", 1.0)
+    assert get_after(0.05) == 0  # still no spin, but this wait was shorter than 1 s...
+    assert get_after(0.05) > 0  # ...so the next one spins again
+    with pytest.raises(queue.Empty):  # a timeout shorter than the spin still holds
+        started = time.monotonic()
+        q.get(timeout=0.05)
+    assert time.monotonic() - started < 0.5
+
+
 # -- a queue whose creator exited ------------------------------------------------------
 
 
