@@ -597,7 +597,8 @@ CLOSE_PRIORITY = 9
 # Before a get() sleeps it looks at the ring, yielding the CPU between looks, for at most
 # SPIN_SECONDS, and only while this handle's previous wait was shorter than that: a stream of
 # items closer together costs no sleep and no wake-up (a consumer of a fan-out to 8 waits
-# about 80 us between items), sparse items cost no spinning (dev/performance.md, "Spinning").
+# about 80 us between items), sparse items cost no spinning (dev/performance.md,
+# "Spinning before a get() sleeps").
 SPIN_SECONDS = 200e-6
 
 
@@ -897,6 +898,7 @@ class Queue:
                 return got
             left = deadline - clock()
             if left <= 0:
+                self._spin = clock() - start < SPIN_SECONDS  # a timeout is a wait too
                 return None
             region.count_waiter("c", region.get_waiters, 1)
             region.wait_for_put(seen, left)

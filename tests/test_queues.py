@@ -269,6 +269,10 @@ def test_a_get_spins_before_it_sleeps_only_after_a_short_wait(monkeypatch) -> No
         started = time.monotonic()
         q.get(timeout=0.05)
     assert time.monotonic() - started < 0.5
+    monkeypatch.setattr(_queues, "SPIN_SECONDS", 0.01)
+    with pytest.raises(queue.Empty):  # a timeout longer than the spin is a long wait too
+        q.get(timeout=0.05)
+    assert get_after(0.05) == 0
 
 
 # -- a queue whose creator exited ------------------------------------------------------
