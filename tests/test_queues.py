@@ -260,11 +260,11 @@ def test_a_get_spins_before_it_sleeps_only_after_a_short_wait(monkeypatch) -> No
         return len(yields)
 
     monkeypatch.setattr(_queues, "SPIN_SECONDS", 0.01)
-    assert get_after(0.05) > 0  # the first wait spins, 10 ms, then sleeps
-    assert get_after(0.05) == 0  # the last wait was longer than the spin: sleep at once
+    assert get_after(0.2) > 0  # the first wait spins, 10 ms, then sleeps
+    assert get_after(0.2) == 0  # the last wait was longer than the spin: sleep at once
     monkeypatch.setattr(_queues, "SPIN_SECONDS", 1.0)
-    assert get_after(0.05) == 0  # still no spin, but this wait was shorter than 1 s...
-    assert get_after(0.05) > 0  # ...so the next one spins again
+    assert get_after(0.2) == 0  # still no spin, but this wait was shorter than 1 s...
+    assert get_after(0.2) > 0  # ...so the next one spins again
     with pytest.raises(queue.Empty):  # a timeout shorter than the spin still holds
         started = time.monotonic()
         q.get(timeout=0.05)
@@ -272,7 +272,7 @@ def test_a_get_spins_before_it_sleeps_only_after_a_short_wait(monkeypatch) -> No
     monkeypatch.setattr(_queues, "SPIN_SECONDS", 0.01)
     with pytest.raises(queue.Empty):  # a timeout longer than the spin is a long wait too
         q.get(timeout=0.05)
-    assert get_after(0.05) == 0
+    assert get_after(0.2) == 0
 
 
 # -- a queue whose creator exited ------------------------------------------------------
