@@ -893,15 +893,12 @@ class Queue:
         while True:
             seen = region.pseq.value  # before the try: a put after it wakes the wait below
             got = region.try_get()
-            if got is not None:
-                self._spin = clock() - start < SPIN_SECONDS
+            now = clock()
+            if got is not None or now >= deadline:  # an item, or the timeout: a wait too
+                self._spin = now - start < SPIN_SECONDS
                 return got
-            left = deadline - clock()
-            if left <= 0:
-                self._spin = clock() - start < SPIN_SECONDS  # a timeout is a wait too
-                return None
             region.count_waiter("c", region.get_waiters, 1)
-            region.wait_for_put(seen, left)
+            region.wait_for_put(seen, deadline - now)
             region.count_waiter("c", region.get_waiters, -1)
 
     # -- the rest of multiprocessing.Queue's interface
