@@ -107,7 +107,7 @@ static int handles(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, voi
 }
 
 /* query(handle) in the primary context key: True when done, False when not yet, None when
- * this cannot answer. */
+ * this cannot answer. query is NULL in an uninitialised object, which current() refuses first. */
 static PyObject *done(Queries *self, PyObject *const *args, Py_ssize_t nargs, query_fn query)
 {
     void *h[1];
@@ -122,7 +122,7 @@ static PyObject *done(Queries *self, PyObject *const *args, Py_ssize_t nargs, qu
 /* stream_done(key, stream) */
 static PyObject *Queries_stream_done(Queries *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    return done(self, args, nargs, self->stream_query);  /* not called before current() checked lib */
+    return done(self, args, nargs, self->stream_query);
 }
 
 /* event_done(key, event): for the work before the event's last record. */
