@@ -1125,6 +1125,7 @@ try:
 except BenchError as exc:
     print("gpushare refused:", exc)
 tm.system_module(tm.GS_MP)
+tm.check_system(tm.GS_MANAGER)  # the Manager-buffer column runs the same drop-in
 try:
     tm.check_system(tm.TORCH_MP)
 except BenchError as exc:
@@ -1147,25 +1148,32 @@ except BenchError as exc:
 def test_torch_mp_cases_run_each_system_in_a_producer_of_its_own(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The plumbing on the CPU: both systems, recycled and fresh, to 2 consumers with a Queue each, each
-    cell in its own producer process (whose consumers check their imports: a mix fails the cell); the
-    tables render with torch's column as the floor and the targets on gpushare's."""
+    """The plumbing on the CPU: both systems, recycled and fresh (and the fresh cases' Manager-buffer
+    column), to 2 consumers with a Queue each, each cell in its own producer process (whose consumers
+    check their imports: a mix fails the cell); the tables render with torch's column as the floor and
+    the targets on gpushare's."""
     pytest.importorskip("torch")
     from bench.scenarios import torch_mp as tm
 
     bench = _torch_mp_bench(tmp_path, monkeypatch, "--consumers", "2")
     recycled, fresh = "torch_mp_64kib_recycled", "torch_mp_64kib_fresh"
     assert [(t.scenario, t.system, t.row) for t in bench.tasks] == [
-        (key, system, "2") for key in (recycled, fresh) for system in tm.SYSTEMS
-    ] + [(tm.MEMORY_KEY, system, "1") for system in tm.SYSTEMS]
+        *((recycled, system, "2") for system in tm.SYSTEMS),
+        *((fresh, system, "2") for system in tm.FRESH_SYSTEMS),
+        *((tm.MEMORY_KEY, system, "1") for system in tm.SYSTEMS),
+    ]
     bench.tasks = [t for t in bench.tasks if t.scenario != tm.MEMORY_KEY]  # the next test runs those
     bench.run()
     cli.write_reports(bench, str(tmp_path))
     report = json.loads((tmp_path / "report.json").read_text(encoding="utf-8"))
-    for key, limit in ((recycled, tm.RECYCLED_TARGET), (fresh, tm.FRESH_TARGET)):
+    for key, limit, systems in (
+        (recycled, tm.RECYCLED_TARGET, tm.SYSTEMS),
+        (fresh, tm.FRESH_TARGET, tm.FRESH_SYSTEMS),
+    ):
         scenario = report["scenarios"][key]
-        assert scenario["floor"] == [key, tm.TORCH_MP] and scenario["target_systems"] == [tm.GS_MP]
-        for system in tm.SYSTEMS:
+        assert scenario["floor"] == [key, tm.TORCH_MP] and scenario["target_systems"] == list(systems[1:])
+        assert list(scenario["systems"]) == list(systems)
+        for system in systems:
             series = scenario["systems"][system]
             assert series["errors"] == {} and series["skipped"] is None, series
             assert series["cells"]["2"]["n"] == 4, series
@@ -1173,7 +1181,11 @@ def test_torch_mp_cases_run_each_system_in_a_producer_of_its_own(
     markdown = (tmp_path / "report.md").read_text(encoding="utf-8")
     assert "## 64 KiB CPU tensor to N consumers, one Queue each, the same tensor every iteration" in markdown
     header = f"| consumers | floor ({tm.TORCH_MP}) | {tm.GS_MP} | {tm.GS_MP} / floor | target | {tm.GS_MP}: target |"
-    assert markdown.count(header) == 2, markdown
+    assert markdown.count(header) == 1, markdown
+    gs, gm = tm.GS_MP, tm.GS_MANAGER
+    header = (f"| consumers | floor ({tm.TORCH_MP}) | {gs} | {gm} | {gs} / floor | {gm} / floor | target "
+              f"| {gs}: target | {gm}: target |")  # fmt: skip
+    assert markdown.count(header) == 1, markdown
 
 
 @pytest.mark.timeout(150)

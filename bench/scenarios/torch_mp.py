@@ -7,7 +7,9 @@ consumer's own Queue and waits for every ack (one ack Queue); a consumer gets th
 reads ``t.data_ptr()``, drops it and acks. Cases: a 1 MiB and a 64 MiB float32 tensor,
 *recycled* (the same tensor put every iteration) and *fresh* (``torch.empty`` every
 iteration, dropped after the acks); rows: 1, 4 and 8 consumers (``--consumers`` when it is
-given). Neither system calls ``torch.cuda.ipc_collect()``.
+given). Neither system calls ``torch.cuda.ipc_collect()``. The fresh cases have a third column,
+``GS_MANAGER``: the drop-in again, each new tensor over a new buffer of a Manager in the
+producer, which the receivers already map once the Manager's pool hands the allocation out again.
 
 Keeping the systems apart: importing ``gpushare.torch.multiprocessing`` registers its tensor
 reducer with multiprocessing's ``ForkingPickler`` for the whole process, so a process that
@@ -60,11 +62,18 @@ MEMORY_KEY = f"{KEY}_memory"
 
 TORCH_MP = TORCH  # "torch.multiprocessing"
 GS_MP = "gpushare.torch.multiprocessing"
+#: The fresh cases' third column: the drop-in, each new tensor made over a new Manager buffer
+#: (``torch.from_dlpack(manager.empty(...))``), the way docs/guides/torch-multiprocessing.md
+#: gives for a sender that makes a tensor per send.
+GS_MANAGER = "gpushare.torch.multiprocessing, Manager buffers"
 SYSTEMS = (TORCH_MP, GS_MP)
+FRESH_SYSTEMS = (TORCH_MP, GS_MP, GS_MANAGER)
 #: The module each system's processes import (and the only one of the two they may import).
 MODULES = {TORCH_MP: "torch.multiprocessing", GS_MP: "gpushare.torch.multiprocessing"}
+MODULES[GS_MANAGER] = MODULES[GS_MP]
 #: The module of the reducer registered for torch.Tensor once that module is imported.
 REDUCERS = {TORCH_MP: "torch.multiprocessing.reductions", GS_MP: "gpushare.torch._sharing"}
+REDUCERS[GS_MANAGER] = REDUCERS[GS_MP]
 
 DEVICE = "cuda"  # "cpu": the plumbing test (CPU tensors, no device memory)
 SIZES = (1 * MiB, 64 * MiB)  # float32 tensors
@@ -87,7 +96,9 @@ HOW = (
     "ack Queue; a consumer gets it, reads `t.data_ptr()`, drops it and acks. Tables per size (1 MiB, 64 MiB; "
     "both with the standard iteration counts: neither system copies, so no cost grows with the size) and case: "
     "*recycled* puts the same tensor every iteration, *fresh* a "
-    "`torch.empty` tensor made in the iteration and dropped after its acks; rows: 1, 4 and 8 consumers (the "
+    "`torch.empty` tensor made in the iteration and dropped after its acks (and, in a third column, "
+    f"`{GS_MANAGER}`, a `torch.from_dlpack(manager.empty(...))` tensor over a new buffer of a Manager in the "
+    "producer, the drop-in's way for a sender that makes a tensor per send); rows: 1, 4 and 8 consumers (the "
     "`--consumers` counts when given). torch.multiprocessing's column is each table's floor, so `/ floor` is "
     f"gpushare over torch; targets: recycled <= {RECYCLED_TARGET:g}x torch's (2x faster), fresh <= "
     f"{FRESH_TARGET:g}x. Neither system calls `torch.cuda.ipc_collect()`. The two systems never share a process: "
@@ -154,7 +165,7 @@ def plan(bench: Bench) -> None:
             rows,
             floor=(key, TORCH_MP),
             targets={row: Target("ratio_max", limit) for row in rows},
-            target_systems=[GS_MP],
+            target_systems=[GS_MP, GS_MANAGER] if fresh else [GS_MP],
             plot=False,
         )
         scenario.notes.append(
@@ -181,7 +192,7 @@ def plan(bench: Bench) -> None:
         return
     for key, nbytes, fresh in planned:
         for row in rows:
-            for system in SYSTEMS:
+            for system in FRESH_SYSTEMS if fresh else SYSTEMS:
                 bench.task(key, system, row, _bind(measure, bench, system, nbytes, fresh, int(row)), None)
     for system in SYSTEMS:
         bench.task(MEMORY_KEY, system, "1", _bind(measure_memory, bench, system), None)
@@ -311,7 +322,7 @@ def check_system(system: str) -> None:
             f"the systems are mixed in process {os.getpid()}"
         )
     imported = MODULES[GS_MP] in sys.modules
-    if imported != (system == GS_MP):
+    if imported != (MODULES[system] == MODULES[GS_MP]):
         raise BenchError(f"{system}: {MODULES[GS_MP]} is {'' if imported else 'not '}imported in process {os.getpid()}")
 
 
@@ -357,11 +368,27 @@ def run_case(system: str, device: int | str, nbytes: int, fresh: bool, n: int, w
     dev = _torch_device(torch, device)
     shape = (nbytes // 4,)
     kept = None if fresh else torch.zeros(shape, dtype=torch.float32, device=dev)
+    manager = None
+    if system == GS_MANAGER:
+        import gpushare
+
+        manager = gpushare.Manager()
+        where = "cpu" if dev.type == "cpu" else dev.index
+
+        def new_tensor() -> Any:
+            # The buffer goes with the tensor: its allocation returns to the Manager's pool
+            # once the receivers let go, and the next send takes it again.
+            return torch.from_dlpack(manager.empty(shape, "float32", device=where))
+    else:
+
+        def new_tensor() -> Any:
+            return torch.empty(shape, dtype=torch.float32, device=dev)
+
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
 
     def step(i: int) -> None:
-        tensor = torch.empty(shape, dtype=torch.float32, device=dev) if fresh else kept
+        tensor = new_tensor() if fresh else kept
         _fan_out(works, acks, procs, tensor)  # a fresh tensor is dropped on return
 
     try:
@@ -371,6 +398,8 @@ def run_case(system: str, device: int | str, nbytes: int, fresh: bool, n: int, w
         return _time_loop(step, warmup, iters)
     finally:
         _stop_consumers(works, acks, procs)
+        if manager is not None:
+            manager.shutdown()
 
 
 def run_memory(system: str, device: int | str, sends: int) -> tuple[list[int], dict[str, float] | None]:
