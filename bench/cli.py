@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     _progress(
         f"bench: backend {cfg.backend} ({', '.join(cfg.backends)}), {len(bench.tasks)} cells{rounds}, "
         f"{cfg.iters} iterations each "
-        f"({cfg.heavy_iters} for 64 MiB and larger); reports go to {cfg.out}/"
+        f"({cfg.heavy_iters} for first shares and host arrays of 64 MiB or more); reports go to {cfg.out}/"
     )
     started = time.monotonic()
     plot_note = ""

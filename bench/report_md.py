@@ -59,7 +59,8 @@ def render_markdown(scenarios: dict[str, Scenario], meta: dict[str, Any], plot_n
         lines.append(f"| {label} | {meta.get(key)} |")
     lines.append(
         f"| iterations | {meta['iters']} timed after {meta['warmup']} warm-up "
-        f"({meta['heavy_iters']} for 64 MiB and larger){'; --quick' if meta['quick'] else ''} |"
+        f"({meta['heavy_iters']} for first shares and host arrays of 64 MiB or more)"
+        f"{'; --quick' if meta['quick'] else ''} |"
     )
     rounds, run = meta.get("rounds", 1), meta.get("rounds_run", 1)
     if rounds > 1 or run > 1:
