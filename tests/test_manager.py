@@ -19,6 +19,8 @@ from __future__ import annotations
 import gc
 import os
 import pickle
+import time
+import warnings
 from typing import Any
 
 import numpy as np
@@ -257,6 +259,31 @@ def test_shutdown_keeps_owner_buffers_valid_until_dropped() -> None:
     stats = m.stats()
     assert stats["closed"] is True and stats["bytes_allocated"] == mp.GRANULARITY  # the pooled one is freed
     buf.release()
+    assert m.stats()["bytes_allocated"] == 0
+
+
+def test_shutdown_waits_for_no_buffer_received_in_its_own_process(reap) -> None:
+    """A buffer put on a queue and got back in the Manager's own process (a lease claimed here)
+    neither delays shutdown nor counts as a leak: like the owner's own buffers, it stays valid
+    until dropped, and its memory is freed then."""
+    m = mp.Manager(release_timeout=5.0)
+    q = mp.Queue()
+    buf = m.full((4,), 3, "int32", device="cpu")
+    q.put(buf)
+    got = q.get(timeout=10)
+    again = pickle.loads(pickle.dumps(buf))  # a second lease claimed here, on the same memory
+    buf.release()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", mp.LeakWarning)
+        started = time.monotonic()
+        m.shutdown()
+        assert time.monotonic() - started < 2.0  # the 5 s release_timeout is not waited
+    np.testing.assert_array_equal(got.numpy(), [3, 3, 3, 3])
+    assert m.stats()["bytes_allocated"] == mp.GRANULARITY
+    got.release()
+    assert m.stats()["bytes_allocated"] == mp.GRANULARITY  # the second lease still holds it
+    np.testing.assert_array_equal(again.numpy(), [3, 3, 3, 3])
+    again.release()
     assert m.stats()["bytes_allocated"] == 0
 
 

@@ -22,8 +22,10 @@ Owner side (:class:`Owner`, one per Manager, in the process that allocates)
   each mapper and waits for ``Unmapped``; a mapper that cannot unmap, or
   does not answer in time, makes the owner leak the allocation rather than free
   memory someone may still reach.
-* At shutdown the owner waits (bounded) for leases to come back, then
-  reports what is still leased with a :class:`LeakWarning` naming it.
+* At shutdown the owner waits (bounded) for the leases of other processes
+  to come back, then reports what is still leased with a :class:`LeakWarning`
+  naming it. Memory still used in its own process (its own buffers, and
+  leases it claimed itself) stays valid there and is freed when released.
 
 Consumer side (:class:`Link`, one per owner per process)
 --------------------------------------------------------

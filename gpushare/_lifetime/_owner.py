@@ -19,8 +19,9 @@ This module owns which Manager this is (``token``), its authkey and whether it
 is shutting down, and adds allocation (for this process, and for another
 process that asks: ``Alloc``), the owner's own references (:class:`_OwnerSource`),
 statistics and shutdown: stop sharing (telling the pool, the lease table and
-the consumers), wait (bounded) for leases, report what is still out with a
-:class:`~gpushare.LeakWarning`, free what is free, and tell every consumer ``Bye``.
+the consumers), wait (bounded) for the leases of other processes, report what is
+still out with a :class:`~gpushare.LeakWarning`, free what is free (what this
+process still uses is freed when it lets go), and tell every consumer ``Bye``.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ class _LocalLeaseSource(_OwnerSource):
         self.lease_id = lease_id
 
     def drop(self, memory: Memory) -> None:
-        self.owner.leases.defer(self.owner.leases.release_locked, self.lease_id, LOCAL)
+        self.owner.leases.defer(self.owner._release_local_locked, self.record, self.lease_id)
 
 
 _owners = owners  # this process's Owners by token, in _protocol: the consumer side looks there first
@@ -308,6 +309,12 @@ class Owner:
             return
         self.pool.offer(record)
 
+    def _release_local_locked(self, record: AllocRecord, lease_id: int) -> None:
+        """A lease this process claimed on its own allocation went (``_LocalLeaseSource``)."""
+        self.leases.release_locked(lease_id, LOCAL)
+        if record.detached and not record.leases and not record.owner_ref:
+            self.unmapper.free_locked(record)  # shut down while still used here, unused now
+
     def attach_local(self, desc: Descriptor) -> Memory:
         """The memory of a buffer unpickled in the owner's own process (the caller makes the Buffer)."""
         with self._state.lock:
@@ -376,12 +383,15 @@ class Owner:
             self.pool.close()
             leases.catch_up_locked()
             leases.stop_sharing_locked()
+            # Leases held in this process are waited for no more than the owner's own
+            # references: their memory stays valid here until they go, then it is freed.
             deadline = time.monotonic() + timeout
-            while len(leases) and time.monotonic() < deadline:
+            while leases.held_elsewhere_locked() and time.monotonic() < deadline:
                 state.cond.wait(min(0.05, max(0.0, deadline - time.monotonic())))
                 leases.catch_up_locked()
-            outstanding = leases.values()
-            unleased = [r for r in state.records.values() if not r.leases and not r.dead]
+            outstanding = leases.held_elsewhere_locked()
+            elsewhere = {lease.record for lease in outstanding}
+            unleased = [r for r in state.records.values() if r not in elsewhere and not r.dead]
             for record in unleased:
                 if record.pooled:
                     self.pool.remove(record)
@@ -402,7 +412,7 @@ class Owner:
             if not self.unmapper.unmap_everywhere(record):
                 continue
             with state.lock:
-                if record.owner_ref:
+                if record.owner_ref or record.leases:
                     record.detached = True  # still used here: freed when its last Buffer goes
                 else:
                     self.unmapper.free_locked(record)

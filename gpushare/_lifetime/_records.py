@@ -328,6 +328,10 @@ class LeaseTable:
     def values(self) -> list[Lease]:
         return list(self._leases.values())
 
+    def held_elsewhere_locked(self) -> list[Lease]:
+        """The leases not held in the owner's own process: claimed by a consumer, or unclaimed."""
+        return [lease for lease in self._leases.values() if lease.holder != LOCAL]
+
     # -- keeping up: deferred finalizer work and the journals -------------------------------
     def defer(self, fn: Callable[..., None], *args: Any) -> None:
         """Run ``fn(*args)`` under the owner's lock: now if the lock is free, else by its next holder."""
