@@ -303,17 +303,20 @@ class Owner:
 
     def _drop_owner_ref_locked(self, record: AllocRecord) -> None:
         record.owner_ref = False
-        if record.detached and not record.leases:
-            # Shut down while this process still used it: free it now that it is unused.
-            self.unmapper.free_locked(record)
-            return
-        self.pool.offer(record)
+        if not self._free_detached_locked(record):
+            self.pool.offer(record)
 
     def _release_local_locked(self, record: AllocRecord, lease_id: int) -> None:
         """A lease this process claimed on its own allocation went (``_LocalLeaseSource``)."""
         self.leases.release_locked(lease_id, LOCAL)
+        self._free_detached_locked(record)
+
+    def _free_detached_locked(self, record: AllocRecord) -> bool:
+        """Free ``record`` if shutdown left it to this process and nothing here uses it any more."""
         if record.detached and not record.leases and not record.owner_ref:
-            self.unmapper.free_locked(record)  # shut down while still used here, unused now
+            self.unmapper.free_locked(record)
+            return True
+        return False
 
     def attach_local(self, desc: Descriptor) -> Memory:
         """The memory of a buffer unpickled in the owner's own process (the caller makes the Buffer)."""
@@ -391,8 +394,9 @@ class Owner:
                 leases.catch_up_locked()
             outstanding = leases.held_elsewhere_locked()
             elsewhere = {lease.record for lease in outstanding}
-            unleased = [r for r in state.records.values() if r not in elsewhere and not r.dead]
-            for record in unleased:
+            # Every allocation no other process holds: freed now, or when this process lets go.
+            ours = [r for r in state.records.values() if r not in elsewhere and not r.dead]
+            for record in ours:
                 if record.pooled:
                     self.pool.remove(record)
         messages = []
@@ -408,7 +412,7 @@ class Owner:
             )
             messages.append(message)
             warn(message, LeakWarning)
-        for record in unleased:
+        for record in ours:
             if not self.unmapper.unmap_everywhere(record):
                 continue
             with state.lock:
