@@ -74,6 +74,32 @@ def w_hold_many(out, jobs, backend, n) -> None:
     jobs.get(timeout=TIMEOUT)  # stay alive (mapping retained) until told to go
 
 
+def w_slow_unmap_then_ask(out, jobs) -> None:
+    """Release a buffer, then, while the owner's ``Unmap`` of it is being closed here (for
+    1 s: this process's host close is slowed), time a request to the owner."""
+    from gpushare import _lifetime
+    from gpushare._lifetime._protocol import Stats
+
+    backend = _backends.get("host")
+    real, closing = backend.close, threading.Event()
+
+    def slow_close(mapping: Any) -> None:
+        closing.set()
+        time.sleep(1.0)
+        real(mapping)
+
+    backend.close = slow_close  # type: ignore[method-assign]
+    buf = jobs.get(timeout=TIMEOUT)
+    buf.release()
+    out.put(("released",))
+    assert closing.wait(TIMEOUT), "the owner never asked this process to unmap"
+    (link,) = _lifetime.links()
+    start = time.monotonic()
+    link.request(Stats)
+    out.put(("answered", time.monotonic() - start))
+    jobs.get(timeout=TIMEOUT)  # stay alive until told to go
+
+
 def count_opens(jobs, results, n) -> None:
     held = [jobs.get(timeout=30) for _ in range(n)]
     same = len({b.ptr for b in held}) == 1
@@ -212,6 +238,28 @@ def test_trim_while_a_live_worker_retains_the_mapping(manager, reap, backend) ->
     assert manager.trim() == mp.GRANULARITY
     jobs.put(manager.full((64,), 6.0, device=device_for(backend), backend=backend))
     assert recv(out)[1:] == (6.0, 2)  # a new allocation: a second open
+    jobs.put("go")
+
+
+def test_a_slow_unmap_holds_back_no_reply_to_that_process(manager, reap) -> None:
+    """The consumer closes what the owner asks to unmap on its writer thread: its reader goes
+    on delivering replies (a CUDA close takes 100-200 us, and a first arrival's claim answer
+    used to wait behind it)."""
+    buf = manager.full((64,), 5.0, device="cpu", backend="host")
+    jobs, out = mp.Queue(), mp.Queue()
+    start_guarded(reap, w_slow_unmap_then_ask, out, jobs)
+    jobs.put(buf)
+    assert recv(out) == ("released",)
+    wait_until(lambda: manager.stats()["leases"] == 0)
+    buf.release()
+    freed: list[int] = []
+    trimmer = threading.Thread(target=lambda: freed.append(manager.trim()))
+    trimmer.start()  # asks the worker to unmap, and waits for its answer (1 s)
+    answered, seconds = recv(out)
+    trimmer.join(TIMEOUT)
+    assert answered == "answered"
+    assert freed == [mp.GRANULARITY]  # freed once the slow close was done and answered
+    assert seconds < 0.5, f"the owner's reply waited {seconds:.2f} s behind the close"
     jobs.put("go")
 
 

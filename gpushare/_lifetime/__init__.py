@@ -46,9 +46,10 @@ Consumer side (:class:`Link`, one per owner per process)
   same records as ``Batch`` messages.
 * Mappings are cached per allocation and *retained* after their last
   buffer goes, so a recycled allocation arrives with no new open; they are
-  closed when the owner asks (``Unmap``) or the process exits. The owner's
-  ready events (a few per device, recorded in turn) are opened once per
-  process.
+  closed when the owner asks (``Unmap``: the writer thread closes them and
+  answers, so the reader goes on delivering replies meanwhile) or the process
+  exits. The owner's ready events (a few per device, recorded in turn) are
+  opened once per process.
 * When the connection closes, the owner is gone: every buffer of that owner
   raises :class:`OwnerGoneError` when touched.
 

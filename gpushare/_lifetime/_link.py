@@ -43,6 +43,7 @@ from ._protocol import (
     RELEASE,
     REQUEST_TIMEOUT,
     RETIRE,
+    UNMAP,
     Batch,
     Bye,
     Claim,
@@ -76,6 +77,10 @@ _DRAIN = Drain()
 class LeaseRecorder:
     """The lease journal's writer side: ``note``, the backlog and the writer thread.
 
+    The writer thread also closes the mappings the owner asks this process to unmap
+    (:meth:`unmap_later`): a close takes the driver 100-200 us, and done on the reader
+    thread it held back the replies behind it, a first arrival's claim answer among them.
+
     Releases run inside the garbage collector, on any thread: :meth:`note` only ever
     *tries* its lock (the link's lock, which guards the journal too: one lock per
     record instead of two), writes the record straight into the journal when it can,
@@ -93,17 +98,20 @@ class LeaseRecorder:
         journal: JournalWriter | None,
         unhold: Callable[[int, int], None],
         retire: Callable[[], None],
+        unmap: Callable[[int], None],
         address: str,
     ) -> None:
         self._lock = lock  # the link's: guards the journal, the backlog's order and unhold
         self._journal = journal
         self._unhold = unhold  # (lease, alloc), lock held: the link stops counting the lease
         self._retire = retire  # the link closes itself if the owner is gone and nothing uses it
+        self._unmap = unmap  # (alloc): unmap it unless in use here, and answer the owner
+        self._unmaps: collections.deque[int] = collections.deque()  # alloc ids the owner asked to unmap
         self._address = address
         # Records not yet in the journal, in order: (CLAIM | RELEASE, lease, alloc, accounted).
         self._backlog: collections.deque[tuple[int, int, int, bool]] = collections.deque()
         self._nudged_at = 0  # journal head when the owner was last nudged
-        # Wakes the writer: 1 (backlog), NUDGE, RETIRE, or None (stop). SimpleQueue.put is
+        # Wakes the writer: 1 (backlog), NUDGE, RETIRE, UNMAP, or None (stop). SimpleQueue.put is
         # safe inside the garbage collector, where releases may run.
         self._wake: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         self._send: Callable[[tuple[Any, ...]], None] = lambda message: None
@@ -165,6 +173,12 @@ class LeaseRecorder:
         """Ask the writer thread to retire the link (never from the garbage collector's thread itself)."""
         self._wake.put(RETIRE)
 
+    def unmap_later(self, alloc_id: int) -> None:
+        """Have the writer thread unmap ``alloc_id`` and answer the owner (the reader thread's
+        ``Unmap``: the reader goes on reading meanwhile)."""
+        self._unmaps.append(alloc_id)
+        self._wake.put(UNMAP)
+
     # -- the writer thread ------------------------------------------------------------
     def _write_loop(self) -> None:
         stop = False
@@ -176,6 +190,7 @@ class LeaseRecorder:
                 except queue.Empty:
                     break
             stop = None in signals
+            self._answer_unmaps()  # before a stop too: the owner waits for every answer
             if RETIRE in signals:
                 self._retire()
             if self._journal is None:
@@ -194,7 +209,12 @@ class LeaseRecorder:
                         REQUEST_TIMEOUT,
                     )
                     deadline = time.monotonic() + REQUEST_TIMEOUT
+                self._answer_unmaps()
                 time.sleep(0.001)
+
+    def _answer_unmaps(self) -> None:
+        while self._unmaps:
+            self._unmap(self._unmaps.popleft())
 
     def _write_backlog(self) -> bool:
         """Move backlog records into the journal, in order; False if it filled up first."""
@@ -333,7 +353,9 @@ class Link(Handler):
         self._held: set[int] = set()  # lease ids claimed here and not yet released
         self._retired = False  # closed: by close(), or because the owner is gone and unused
         journal = create_writer()
-        self.recorder = LeaseRecorder(self._lock, journal, self._unhold_locked, self._retire_if_unused, address)
+        self.recorder = LeaseRecorder(
+            self._lock, journal, self._unhold_locked, self._retire_if_unused, self._answer_unmap, address
+        )
         try:
             self.client = _connect(address, authkey, self)
             try:
@@ -418,7 +440,7 @@ class Link(Handler):
     # -- what the owner says unasked (the client's reader thread) -----------------------------
     @handles(Unmap)
     def _on_unmap(self, message: Unmap) -> None:
-        self.send_quietly(Unmapped(message.alloc, self._unmap(message.alloc)))
+        self.recorder.unmap_later(message.alloc)  # the writer thread closes it: see LeaseRecorder
 
     @handles(ClaimFailed)
     def _on_claim_failed(self, message: ClaimFailed) -> None:
@@ -570,6 +592,10 @@ class Link(Handler):
             mapping.refs -= 1
         if self.gone is not None and not self._held and not self._retired:
             self.recorder.request_retire()  # the last buffer of a gone owner (not here: maybe in gc)
+
+    def _answer_unmap(self, alloc_id: int) -> None:
+        """The writer thread: unmap ``alloc_id`` unless a buffer here uses it, and say which."""
+        self.send_quietly(Unmapped(alloc_id, self._unmap(alloc_id)))
 
     def _unmap(self, alloc_id: int) -> bool:
         """The owner asks to unmap ``alloc_id``: done (True) unless a buffer here still uses it."""

@@ -81,6 +81,7 @@ CLAIM, RELEASE = 0, 1
 #: Signals to a consumer's record writer thread besides "records are waiting" (1) and "stop" (None):
 NUDGE = -1  # tell the owner to read this consumer's journal
 RETIRE = -2  # the owner is gone and nothing here uses it any more: close the link
+UNMAP = -3  # the owner asked to unmap allocations (``Unmap``): close them, answer ``Unmapped``
 #: Seconds a consumer waits for the owner to answer a request.
 REQUEST_TIMEOUT = 30.0
 
