@@ -440,6 +440,21 @@ def test_gpu_a_segment_is_looked_up_once_and_again_once_torch_made_it_anew(reap,
 
 
 @pytest.mark.gpu
+def test_gpu_the_current_stream_is_read_as_torch_reads_it() -> None:
+    """The private function behind a cheap current stream (gpushare/torch/_sharing.py): if
+    torch drops or changes it, this fails, and every CUDA tensor's send and arrival would
+    make a Stream object again."""
+    from gpushare.torch import _sharing
+
+    assert _sharing._raw_stream is not None, f"torch {torch.__version__} has no torch._C._cuda_getCurrentRawStream"
+    assert _sharing._current_stream(0) == torch.cuda.current_stream(0).cuda_stream
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        assert _sharing._current_stream(0) == side.cuda_stream != 0
+    assert _sharing._current_stream(0) == torch.cuda.current_stream(0).cuda_stream
+
+
+@pytest.mark.gpu
 def test_gpu_a_sigkilled_consumers_tensors_are_free_within_2_s(reap) -> None:
     before = _allocated_at_rest()
     q, out = mp.Queue(), mp.Queue()

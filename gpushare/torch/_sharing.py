@@ -62,6 +62,20 @@ def sharing_owner() -> Any:
 _use_count: Any = getattr(torch._C, "_storage_Use_Count", None)
 
 
+#: The handle of torch's current stream on a device, as an int, with no Stream object made:
+#: torch.cuda.current_stream(device) took 8-22 us a call on the H100 machines, and a CUDA
+#: tensor's send asked once and its arrival twice. Private (torch._C), so used only if present;
+#: tests/test_torch_mp.py checks it against the public call.
+_raw_stream: Any = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _current_stream(device: int) -> int:
+    """``torch.cuda.current_stream(device).cuda_stream``, cheaply where torch allows."""
+    if _raw_stream is not None:
+        return int(_raw_stream(device))
+    return int(torch.cuda.current_stream(device).cuda_stream)
+
+
 def _used_here(storage: Any) -> bool:
     """Whether anything in this process besides ``storage`` itself (a tensor, a view)
     still uses the memory of ``storage``, the anchor of an idle shared segment."""
@@ -100,9 +114,10 @@ class _Received:
         # memory) finishes before the lease goes back. The legacy default stream's is
         # waited for by the release itself (gpushare._lifetime._link).
         try:
-            stream = torch.cuda.current_stream(self.device)
-            if stream.cuda_stream != 0 and not stream.query():
-                stream.synchronize()
+            if _current_stream(self.device) != 0:
+                stream = torch.cuda.current_stream(self.device)
+                if not stream.query():
+                    stream.synchronize()
         except Exception:  # interpreter shutdown, or a broken context: release all the same
             pass
 
@@ -116,7 +131,7 @@ def _storage_from(data: bytes) -> torch.UntypedStorage:
     memory = memory_of(buffer)
     device = memory.device
     assert device is not None  # a CUDA tensor's storage is device memory
-    memory.order_stream(torch.cuda.current_stream(device).cuda_stream)
+    memory.order_stream(_current_stream(device))
     holder = _Received(buffer, device)
     storage = torch.as_tensor(holder, device=torch.device("cuda", device)).untyped_storage()
     key = storage.data_ptr()
@@ -135,18 +150,18 @@ def _share_storage(storage: torch.UntypedStorage) -> bytes:
     as that Buffer, under its Manager's lifetime; any other is leased as torch's memory."""
     ptr, nbytes = storage.data_ptr(), storage.nbytes()
     device = storage.device.index
-    current = torch.cuda.current_stream(device)
+    current = _current_stream(device)
     ref = _received.get(ptr)
     holder = ref() if ref is not None else None
     buffer = holder.buffer if holder is not None else exported_buffer(device, ptr)
     if buffer is not None and buffer.nbytes == nbytes and not buffer.released:
         # A Buffer's share records its ready event on the legacy default stream: order it
         # after the work on torch's current stream when that is another one.
-        if current.cuda_stream != 0:
-            torch.cuda.default_stream(device).wait_stream(current)
+        if current != 0:
+            torch.cuda.default_stream(device).wait_stream(torch.cuda.current_stream(device))
         return share_bytes(buffer)
     held = _used_here if _use_count is not None else None
-    return sharing_owner().share_foreign(ptr, nbytes, device, storage, current.cuda_stream, held)
+    return sharing_owner().share_foreign(ptr, nbytes, device, storage, current, held)
 
 
 def reduce_tensor(tensor: torch.Tensor) -> tuple[Any, tuple[Any, ...]]:
