@@ -440,6 +440,37 @@ def test_gpu_a_segment_is_looked_up_once_and_again_once_torch_made_it_anew(reap,
 
 
 @pytest.mark.gpu
+def test_gpu_a_segment_shared_anew_after_its_retire_is_not_exported_again(reap, monkeypatch) -> None:
+    from gpushare import _cuda
+    from gpushare.torch._sharing import sharing_owner
+
+    exported = []
+    real = _cuda.ipc_get_handle
+    monkeypatch.setattr(_cuda, "ipc_get_handle", lambda ptr, ordinal: exported.append(ptr) or real(ptr, ordinal))
+    q, out = mp.Queue(), mp.Queue()
+    proc = mp.Process(target=report_first_and_last, args=(q, out))
+    proc.start()
+    reap.append(proc)
+    bases = set()
+    for value in (1.0, 2.0, 3.0):
+        t = torch.full((4 * MiB,), value, device="cuda")  # 16 MiB: a segment of its own
+        bases.add(t.data_ptr())
+        q.put(t)
+        del t
+        assert out.get(timeout=60) == (value, value)
+        # Retired: unmapped by the consumer, the block back in torch's cache, where the
+        # next tensor of this size finds it; its record is a new one, its handle is not.
+        wait_until(lambda: sharing_owner().stats()["bytes_allocated"] == 0, timeout=10.0)
+    print(f"{len(bases)} segment(s) for 3 sends, {len(exported)} export(s)")
+    assert len(bases) < 3, "torch made a new segment for every send: nothing here tested the handle cache"
+    # At most one export a segment (none for one this process exported before: an earlier test's).
+    assert len(exported) <= len(bases), "a segment shared again after its retire was exported again"
+    q.put(None)
+    proc.join(30)
+    assert proc.exitcode == 0
+
+
+@pytest.mark.gpu
 def test_gpu_the_current_stream_is_read_as_torch_reads_it() -> None:
     """The private function behind a cheap current stream (gpushare/torch/_sharing.py): if
     torch drops or changes it, this fails, and every CUDA tensor's send and arrival would
