@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 import pytest
 from conftest import subprocess_env, wait_until
@@ -404,18 +405,31 @@ def test_gpu_a_tensor_sent_again_is_opened_once_and_unmapped_once_let_go(reap) -
     proc.join(30)
 
 
-@pytest.mark.gpu
-def test_gpu_a_segment_is_looked_up_once_and_again_once_torch_made_it_anew(reap, monkeypatch) -> None:
+def _calls_of(monkeypatch, name: str) -> list[int]:
+    """The pointers this process calls ``gpushare._cuda.<name>(ptr, ordinal)`` with from now on."""
     from gpushare import _cuda
-    from gpushare.torch._sharing import sharing_owner
 
-    asked = []
-    real = _cuda.segment_of
-    monkeypatch.setattr(_cuda, "segment_of", lambda ptr, ordinal: asked.append(ptr) or real(ptr, ordinal))
+    calls: list[int] = []
+    real = getattr(_cuda, name)
+    monkeypatch.setattr(_cuda, name, lambda ptr, ordinal: calls.append(ptr) or real(ptr, ordinal))
+    return calls
+
+
+def _start_reporter(reap) -> tuple[Any, Any, Any]:
+    """A consumer that reports each tensor's first and last values: (its queue, its answers, it)."""
     q, out = mp.Queue(), mp.Queue()
     proc = mp.Process(target=report_first_and_last, args=(q, out))
     proc.start()
     reap.append(proc)
+    return q, out, proc
+
+
+@pytest.mark.gpu
+def test_gpu_a_segment_is_looked_up_once_and_again_once_torch_made_it_anew(reap, monkeypatch) -> None:
+    from gpushare.torch._sharing import sharing_owner
+
+    asked = _calls_of(monkeypatch, "segment_of")
+    q, out, proc = _start_reporter(reap)
     t = torch.full((4 * MiB,), 1.0, device="cuda")  # 16 MiB: a segment of its own
     for _ in range(3):
         q.put(t)
@@ -441,16 +455,10 @@ def test_gpu_a_segment_is_looked_up_once_and_again_once_torch_made_it_anew(reap,
 
 @pytest.mark.gpu
 def test_gpu_a_segment_shared_anew_after_its_retire_is_not_exported_again(reap, monkeypatch) -> None:
-    from gpushare import _cuda
     from gpushare.torch._sharing import sharing_owner
 
-    exported = []
-    real = _cuda.ipc_get_handle
-    monkeypatch.setattr(_cuda, "ipc_get_handle", lambda ptr, ordinal: exported.append(ptr) or real(ptr, ordinal))
-    q, out = mp.Queue(), mp.Queue()
-    proc = mp.Process(target=report_first_and_last, args=(q, out))
-    proc.start()
-    reap.append(proc)
+    exported = _calls_of(monkeypatch, "ipc_get_handle")
+    q, out, proc = _start_reporter(reap)
     bases = set()
     for value in (1.0, 2.0, 3.0):
         t = torch.full((4 * MiB,), value, device="cuda")  # 16 MiB: a segment of its own
