@@ -43,6 +43,7 @@ from ._native import EMPTY as NATIVE_EMPTY
 from ._native import PYTHON as NATIVE_PYTHON
 from ._native import region_ops
 from ._process import dumps, main_guard_error, pickled_directly, stopped_by_main_guard
+from ._spin import SpinPolicy
 
 # typing is not imported at run time: it is a measurable share of a child's start (see gpushare._seams).
 TYPE_CHECKING = False
@@ -595,10 +596,11 @@ EXIT_GRACE = 0.5  # after the end-of-queue marker, seconds get() waits for items
 EXIT_PRIORITY = 10
 CLOSE_PRIORITY = 9
 # Before a get() sleeps it looks at the ring, yielding the CPU between looks, for at most
-# SPIN_SECONDS, and only while this handle's previous wait was shorter than that: a stream of
-# items closer together costs no sleep and no wake-up (a consumer of a fan-out to 8 waits
-# about 80 us between items), sparse items cost no spinning (dev/performance.md,
-# "Spinning before a get() sleeps").
+# SPIN_SECONDS, and only while this handle's previous wait was shorter than that (or it
+# slept through the last PROBE_EVERY waits: gpushare._spin.SpinPolicy): a stream of items
+# closer together costs no sleep and no wake-up (a consumer of a fan-out to 8 waits about
+# 80 us between items), sparse items cost little spinning (dev/performance.md, "Spinning
+# before a get() sleeps").
 SPIN_SECONDS = 200e-6
 
 
@@ -740,7 +742,7 @@ class Queue:
         self._closed = False
         self._joincancelled = False
         self._exit_checked = False  # put() looked whether this process must announce its exit
-        self._spin = True  # the next blocking get() spins before it sleeps (see SPIN_SECONDS)
+        self._spin = SpinPolicy(SPIN_SECONDS, adaptive=True)  # how a blocking get() waits
         self._backlog = _Backlog(self._region)
         self._close: Any = None
         self._jointhread: Any = None
@@ -885,9 +887,10 @@ class Queue:
             return got
         clock = time.monotonic
         start = clock()
-        if self._spin:
+        spin = self._spin.budget()
+        if spin:
             yield_ = getattr(os, "sched_yield", _no_yield)
-            until = min(start + SPIN_SECONDS, deadline)
+            until = min(start + spin, deadline)
             while pseq.value == seen and clock() < until:  # a commit: one word, on a line of its own
                 yield_()  # a producer waiting for this CPU runs first
         while True:
@@ -895,7 +898,7 @@ class Queue:
             got = region.try_get()
             now = clock()
             if got is not None or now >= deadline:  # an item, or the timeout: a wait too
-                self._spin = now - start < SPIN_SECONDS
+                self._spin.waited(now - start)
                 return got
             region.count_waiter("c", region.get_waiters, 1)
             region.wait_for_put(seen, deadline - now)

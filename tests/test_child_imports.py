@@ -36,8 +36,8 @@ OWNER_SIDE = {
     "gpushare._manager",
 }
 #: The most gpushare modules a fresh child loads to get and read one host buffer (the
-#: Queue's C calls, _native, among them).
-HOST_LIMIT = 16
+#: Queue's C calls, _native, and how its get() spins, _spin, among them).
+HOST_LIMIT = 17
 #: The same with a CUDA buffer: the host figure, less the host backend, plus the CUDA layer (its
 #: package, the five modules the package imports, and _queries, which loads with the driver) and
 #: the CUDA backend with its shared base. The ready events (_lifetime._ready) are not among them:

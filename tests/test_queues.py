@@ -243,6 +243,7 @@ def test_a_get_spins_before_it_sleeps_only_after_a_short_wait(monkeypatch) -> No
     # A blocking get() looks at the ring, yielding the CPU, for at most SPIN_SECONDS before
     # it sleeps, and only when this handle's previous wait was shorter than that.
     from gpushare import _queues
+    from gpushare._spin import PROBE_EVERY
 
     yields: list[int] = []
     monkeypatch.setattr(_queues.os, "sched_yield", lambda: yields.append(1), raising=False)
@@ -259,20 +260,27 @@ def test_a_get_spins_before_it_sleeps_only_after_a_short_wait(monkeypatch) -> No
             putter.join(timeout=T)
         return len(yields)
 
-    monkeypatch.setattr(_queues, "SPIN_SECONDS", 0.01)
+    assert q._spin.seconds == _queues.SPIN_SECONDS
+    q._spin.seconds = 0.01
     assert get_after(0.2) > 0  # the first wait spins, 10 ms, then sleeps
     assert get_after(0.2) == 0  # the last wait was longer than the spin: sleep at once
-    monkeypatch.setattr(_queues, "SPIN_SECONDS", 1.0)
+    q._spin.seconds = 1.0
     assert get_after(0.2) == 0  # still no spin, but this wait was shorter than 1 s...
     assert get_after(0.2) > 0  # ...so the next one spins again
     with pytest.raises(queue.Empty):  # a timeout shorter than the spin still holds
         started = time.monotonic()
         q.get(timeout=0.05)
     assert time.monotonic() - started < 0.5
-    monkeypatch.setattr(_queues, "SPIN_SECONDS", 0.01)
+    q._spin.seconds = 0.01
     with pytest.raises(queue.Empty):  # a timeout longer than the spin is a long wait too
         q.get(timeout=0.05)
-    assert get_after(0.2) == 0
+    assert get_after(0.05) == 0
+    # After PROBE_EVERY long waits in a row one spins anyway: a stream that is quick only
+    # while both of its ends spin does not stay asleep for good.
+    for _ in range(PROBE_EVERY - 2):
+        assert get_after(0.05) == 0
+    assert get_after(0.05) > 0
+    assert get_after(0.05) == 0  # that one was long too: asleep again
 
 
 # -- a queue whose creator exited ------------------------------------------------------

@@ -20,11 +20,12 @@ from typing import Any, NoReturn
 
 from .._buffer import Buffer
 from .._errors import GpushareError, OwnerGoneError, RingClosedError, WaitTimeoutError
+from .._spin import SpinPolicy
 from ._channel import SLOT_RECORDED, Channel, soak
 from ._item import RingItem, SlotView, slot_view
 from ._registry import CLOSED, META, RING, Frames, read_frame, register
 from ._slots import ReaderEnd
-from ._wire import SPIN_LOOKS, SpinPolicy, poll_ms
+from ._wire import SPIN_LOOKS, poll_ms
 
 __all__ = ["RingConsumer", "attach"]
 

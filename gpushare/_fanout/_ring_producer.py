@@ -22,11 +22,12 @@ from typing import Any, NoReturn
 
 from .._buffer import Buffer
 from .._errors import RingClosedError, WaitTimeoutError
+from .._spin import SpinPolicy
 from ._channel import INLINE_META, RECORDED, poke
 from ._item import RingItem, slot_view
 from ._registry import RING, Closed, Frames, Reader, Registry, closed_frame, meta_frame, send_frame
 from ._slots import FREE, WRITING, Slots
-from ._wire import MAX_META, SPIN_LOOKS, SpinPolicy, poll_ms
+from ._wire import MAX_META, SPIN_LOOKS, poll_ms
 
 __all__ = ["RingProducer"]
 

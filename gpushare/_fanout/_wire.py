@@ -15,7 +15,7 @@ SPIN_DEFAULT = 0.005
 #: wake a process that sleeps (the `ring` and `ring_roundtrip` benchmark scenarios run
 #: with and without spinning): a wait then
 #: costs at most about twice what sleeping at once would, and items that come further
-#: apart than this cost no spinning (see SpinPolicy).
+#: apart than this cost no spinning (see gpushare._spin.SpinPolicy).
 SPIN_AUTO = 50e-6
 #: A spinning end gives its core away (``sched_yield``) once every this many looks at
 #: the shared words: a yield is a system call, costlier than a look, and the other
@@ -41,35 +41,3 @@ def check_spin(spin: object) -> tuple[float, bool]:
     if isinstance(spin, (int, float)) and 0 <= spin <= 10:
         return float(spin), False
     raise ValueError(f'spin={spin!r} must be "auto", True, False or seconds to spin before sleeping (0 to 10)')
-
-
-class SpinPolicy:
-    """How long one end spins on the shared words before it sleeps in ``poll``.
-
-    Fixed (``spin=`` seconds, True or False): that long, every wait.
-    Adaptive (``spin="auto"``): up to ``seconds``, but only when the previous
-    wait of this end was shorter than that; after a longer one the next wait
-    sleeps at once, and a wait that again ends sooner (woken quickly) turns
-    spinning back on. A stream of items closer together than ``seconds``
-    then costs no sleep and no wakeup; sparse items cost no spinning.
-    """
-
-    __slots__ = ("adaptive", "quick", "seconds")
-
-    def __init__(self, seconds: float, adaptive: bool) -> None:
-        self.seconds = seconds
-        self.adaptive = adaptive
-        self.quick = True  # the first wait spins
-
-    def budget(self) -> float:
-        """Seconds to spin in the wait that starts now."""
-        return self.seconds if self.quick or not self.adaptive else 0.0
-
-    def waited(self, seconds: float) -> None:
-        """A wait ended after ``seconds``."""
-        self.quick = seconds < self.seconds
-
-    @property
-    def setting(self) -> float | str:
-        """What ``spin=`` this is: "auto" or seconds."""
-        return "auto" if self.adaptive else self.seconds
