@@ -325,9 +325,6 @@ class LeaseTable:
     def __len__(self) -> int:
         return len(self._leases)
 
-    def values(self) -> list[Lease]:
-        return list(self._leases.values())
-
     def held_elsewhere_locked(self) -> list[Lease]:
         """The leases not held in the owner's own process: claimed by a consumer, or unclaimed."""
         return [lease for lease in self._leases.values() if lease.holder != LOCAL]
