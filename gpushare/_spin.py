@@ -17,7 +17,7 @@ class SpinPolicy:
     shorter than that; after a longer one the next wait sleeps at once, and a wait
     that again ends sooner (woken quickly) turns spinning back on. A stream of items
     closer together than ``seconds`` then costs no sleep and no wake-up; sparse items
-    cost no spinning. After ``PROBE_EVERY`` sleeping waits in a row the next one spins
+    cost one spin in ``PROBE_EVERY + 1`` waits. After ``PROBE_EVERY`` sleeping waits in a row the next one spins
     again: where both ends of a stream wait for each other, each end's wake-up adds to
     the other's wait, so a stream that would come quicker than ``seconds`` while both
     spin can come slower while both sleep, and would stay asleep for good.
