@@ -685,8 +685,129 @@ def test_consumers_of_an_exited_producer_get_owner_gone_on_their_next_get(tmp_pa
         verdict, when = (tmp_path / str(i)).read_text().split()
         assert verdict == "OwnerGoneError"
         print(f"consumer {i}: OwnerGoneError {float(when) - ended:.2f} s after the producer's main ended")
-        # A CUDA producer's exit first waits (bounded, 5 s) for the leases the consumers hold.
-        assert float(when) - ended < (5.0 if device == "cuda" else 0.0) + 1.5
+        # The producer's queues say it is exiting before its owner waits for the consumers' leases.
+        assert float(when) - ended < 1.5
+
+
+# A sender over the host backend: the drop-in's own owner (what a CUDA tensor's send makes)
+# allocates host memory and sends it as a Buffer, so its exit runs as a CUDA sender's does.
+_HOST_SENDER = """
+import os, sys, time
+import numpy as np
+sys.path.insert(0, {tests!r})
+import gpushare.torch.multiprocessing as mp
+from gpushare import _backends
+from gpushare._buffer import Buffer
+from gpushare.torch._sharing import sharing_owner
+from test_torch_mp import {consumer}
+if __name__ == "__main__":
+    owner = sharing_owner()
+    def host_buffer(value):
+        buf = Buffer(owner.allocate(_backends.get("host"), 2 << 20, None, "test"), 0, (1024,), np.dtype("float32"))
+        buf.numpy()[:] = value
+        return buf
+    reports = [os.path.join({folder!r}, str(i)) for i in range({consumers})]
+    queues = [mp.Queue() for _ in reports]
+    procs = [mp.Process(target={consumer}, args=(q, r)) for q, r in zip(queues, reports, strict=True)]
+    for p in procs:
+        p.start()
+    first = host_buffer(2.0)
+    for q in queues:
+        q.put(first)
+    while not all(os.path.exists(r + ".got") for r in reports):
+        time.sleep(0.01)
+    {then}
+    print("ended", time.time(), flush=True)
+"""
+
+
+def hold_then_get(q, report) -> None:
+    """Receive a buffer and hold it while waiting on the queue; write what happened, then let go."""
+    buf = q.get(timeout=60)
+    with open(report + ".got", "w") as f:
+        f.write(str(float(buf.numpy().sum())))
+    try:
+        q.get(timeout=30)
+        verdict = "an item"
+    except OwnerGoneError:
+        verdict = "OwnerGoneError"
+    except Exception as exc:
+        verdict = type(exc).__name__
+    with open(report, "w") as f:
+        f.write(f"{verdict} {time.time()}")
+    buf.release()
+
+
+def take_late(q, report) -> None:
+    """Receive a buffer, let it go, then take the next one a second after it was put."""
+    q.get(timeout=60).release()
+    with open(report + ".got", "w") as f:
+        f.write("first")
+    time.sleep(1.0)
+    try:
+        buf = q.get(timeout=30)
+        verdict = str(float(buf.numpy().sum()))
+        buf.release()
+    except Exception as exc:
+        verdict = type(exc).__name__
+    with open(report, "w") as f:
+        f.write(f"{verdict} {time.time()}")
+
+
+def take_late_once(q, report) -> None:
+    """Receive one buffer, let it go and exit (its connection to the sender closes)."""
+    q.get(timeout=60).release()
+    with open(report + ".got", "w") as f:
+        f.write("first")
+
+
+def _run_host_sender(tmp_path, consumer: str, consumers: int, then: str = "") -> tuple[float, float, str]:
+    """Run a host-backend sender script; (its main's end, its process's end, its stderr)."""
+    script = tmp_path / "sender.py"
+    script.write_text(
+        _HOST_SENDER.format(
+            tests=os.path.dirname(__file__), folder=str(tmp_path), consumer=consumer, consumers=consumers, then=then
+        )
+    )
+    proc = subprocess.run([sys.executable, str(script)], env=subprocess_env(), capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    exited = time.time()
+    assert proc.returncode == 0, proc.stderr
+    return float(proc.stdout.split("ended")[1].split()[0]), exited, proc.stderr
+
+
+def test_a_senders_exit_tells_receivers_blocked_on_its_queues_before_it_waits_for_their_leases(tmp_path) -> None:
+    """Two receivers hold the sender's buffer and wait on its queues when it returns: each
+    gets OwnerGoneError within 1.5 s (the queues' exit comes before the owner's wait for
+    leases, up to 5 s), lets go, and the sender then exits with no leak."""
+    ended, exited, stderr = _run_host_sender(tmp_path, "hold_then_get", 2)
+    for i in range(2):
+        assert (tmp_path / f"{i}.got").read_text() == "2048.0"
+        verdict, when = (tmp_path / str(i)).read_text().split()
+        assert verdict == "OwnerGoneError"
+        assert float(when) - ended < 1.5, f"receiver {i}: OwnerGoneError {float(when) - ended:.2f} s after"
+    assert "outstanding" not in stderr, stderr  # both let go within the owner's wait
+    assert exited - ended < 4.5
+
+
+def test_a_buffer_left_in_a_queue_nobody_reads_does_not_hold_the_senders_exit(tmp_path) -> None:
+    """The sender returns with a buffer unclaimed in a queue and no receiver connected: it
+    exits at once (it used to wait the whole 5 s), warning of the unclaimed lease."""
+    then = "proc_q = mp.Queue(); procs[0].join(30); proc_q.put(host_buffer(3.0))"
+    ended, exited, stderr = _run_host_sender(tmp_path, "take_late_once", 1, then)
+    assert exited - ended < 3.0, f"the sender took {exited - ended:.2f} s to exit"
+    assert "unclaimed" in stderr, stderr
+
+
+def test_a_connected_receiver_still_takes_what_the_sender_queued_before_it_returned(tmp_path) -> None:
+    """The sender queues a second buffer and returns while its receiver, still connected,
+    takes it only a second later: the exit waits for it, and the receiver reads it."""
+    then = "[q.put(host_buffer(3.0)) for q in queues]"
+    ended, exited, stderr = _run_host_sender(tmp_path, "take_late", 1, then)
+    verdict, when = (tmp_path / "0").read_text().split()
+    assert verdict == "3072.0", verdict
+    assert ended + 0.5 < float(when) < exited  # taken after the sender's main ended, before it exited
+    assert "outstanding" not in stderr, stderr
 
 
 _EXPANDABLE = """

@@ -19,6 +19,7 @@ Why and the rules: docs/design.md, "torch tensors".
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import weakref
@@ -32,6 +33,7 @@ import torch.multiprocessing.reductions as _torch_reductions
 from .._buffer import Buffer, memory_of, rebuild_buffer, share_bytes
 from .._interop import exported_buffer
 from .._process import pickled_directly
+from .._queues import CLOSE_PRIORITY
 
 __all__ = ["init_reductions", "rebuild_cuda_tensor", "reduce_tensor", "sharing_owner"]
 
@@ -50,8 +52,15 @@ def sharing_owner() -> Any:
                 from .._lifetime._owner import Owner
 
                 owner = Owner(authkey=bytes(current_process().authkey))
-                # After pools and before queues announce their creator's exit, as a Manager's.
-                util.Finalize(None, owner.shutdown, exitpriority=12)
+                # After this process's queues announce its exit (so that a receiver blocked on
+                # one raises OwnerGoneError at once, not after the wait for leases), and before
+                # multiprocessing joins the children. A tensor left unclaimed in a queue holds
+                # the exit up only while a receiver is connected to take it.
+                util.Finalize(
+                    None,
+                    functools.partial(owner.shutdown, unclaimed_needs_peer=True),
+                    exitpriority=CLOSE_PRIORITY - 1,
+                )
                 _owner = owner
     return owner
 
