@@ -596,11 +596,10 @@ EXIT_GRACE = 0.5  # after the end-of-queue marker, seconds get() waits for items
 EXIT_PRIORITY = 10
 CLOSE_PRIORITY = 9
 # Before a get() sleeps it looks at the ring, yielding the CPU between looks, for at most
-# SPIN_SECONDS, and only while this handle's previous wait was shorter than that (or it
-# slept through the last PROBE_EVERY waits: gpushare._spin.SpinPolicy): a stream of items
-# closer together costs no sleep and no wake-up (a consumer of a fan-out to 8 waits about
-# 80 us between items), sparse items cost little spinning (dev/performance.md, "Spinning
-# before a get() sleeps").
+# SPIN_SECONDS, and only while this handle's previous wait was shorter than that
+# (gpushare._spin.SpinPolicy): a stream of items closer together costs no sleep and no
+# wake-up (a consumer of a fan-out to 8 waits about 80 us between items), sparse items cost
+# no spinning (dev/performance.md, "Spinning before a get() sleeps").
 SPIN_SECONDS = 200e-6
 
 
