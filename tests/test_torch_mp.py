@@ -179,10 +179,11 @@ def report_first_and_last(q, out) -> None:
 
 
 def receive_then_get(q, report) -> None:
-    """Receive a tensor, read it, then wait on the queue; write what happened to ``report``."""
+    """Receive a tensor (or a gpushare Buffer), read it, then wait on the queue while holding it;
+    write what happened to ``report``, then let go."""
     t = q.get(timeout=60)
     with open(report + ".got", "w") as f:
-        f.write(str(float(t.sum().item())))
+        f.write(str(float(t.sum().item() if isinstance(t, torch.Tensor) else t.numpy().sum())))
     try:
         q.get(timeout=30)
         verdict = "an item"
@@ -192,6 +193,7 @@ def receive_then_get(q, report) -> None:
         verdict = type(exc).__name__
     with open(report, "w") as f:
         f.write(f"{verdict} {time.time()}")
+    del t
 
 
 # -- names ---------------------------------------------------------------------------------------
@@ -721,23 +723,6 @@ if __name__ == "__main__":
 """
 
 
-def hold_then_get(q, report) -> None:
-    """Receive a buffer and hold it while waiting on the queue; write what happened, then let go."""
-    buf = q.get(timeout=60)
-    with open(report + ".got", "w") as f:
-        f.write(str(float(buf.numpy().sum())))
-    try:
-        q.get(timeout=30)
-        verdict = "an item"
-    except OwnerGoneError:
-        verdict = "OwnerGoneError"
-    except Exception as exc:
-        verdict = type(exc).__name__
-    with open(report, "w") as f:
-        f.write(f"{verdict} {time.time()}")
-    buf.release()
-
-
 def take_late(q, report) -> None:
     """Receive a buffer, let it go, then take the next one a second after it was put."""
     q.get(timeout=60).release()
@@ -780,7 +765,7 @@ def test_a_senders_exit_tells_receivers_blocked_on_its_queues_before_it_waits_fo
     """Two receivers hold the sender's buffer and wait on its queues when it returns: each
     gets OwnerGoneError within 1.5 s (the queues' exit comes before the owner's wait for
     leases, up to 5 s), lets go, and the sender then exits with no leak."""
-    ended, exited, stderr = _run_host_sender(tmp_path, "hold_then_get", 2)
+    ended, exited, stderr = _run_host_sender(tmp_path, "receive_then_get", 2)
     for i in range(2):
         assert (tmp_path / f"{i}.got").read_text() == "2048.0"
         verdict, when = (tmp_path / str(i)).read_text().split()
