@@ -781,7 +781,8 @@ def test_a_buffer_left_in_a_queue_nobody_reads_does_not_hold_the_senders_exit(tm
     then = "proc_q = mp.Queue(); procs[0].join(30); proc_q.put(host_buffer(3.0))"
     ended, exited, stderr = _run_host_sender(tmp_path, "take_late_once", 1, then)
     assert exited - ended < 3.0, f"the sender took {exited - ended:.2f} s to exit"
-    assert "unclaimed" in stderr, stderr
+    assert "held by an unclaimed pickle" in stderr and "with no consumer connected" in stderr, stderr
+    assert "Keep the sender running" in stderr, stderr
 
 
 def test_a_connected_receiver_still_takes_what_the_sender_queued_before_it_returned(tmp_path) -> None:

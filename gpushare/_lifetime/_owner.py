@@ -378,17 +378,17 @@ class Owner:
         timeout: float | None = None,
         before_bye: Callable[[list[str]], object] | None = None,
         *,
-        unclaimed_needs_peer: bool = False,
+        sender_exit: bool = False,
     ) -> list[str]:
         """Wait (bounded) for leases, report leaks, free everything free, stop serving.
 
         Returns the text of the leak warning it gave, if any, and hands it to
         ``before_bye`` just before telling the consumers ``Bye`` (a client of a
         server-owned Manager asked for this shutdown over its own connection,
-        and raises the warning again in its process). ``unclaimed_needs_peer``:
-        an unclaimed lease is waited for only while some consumer is connected
-        (the torch drop-in's exit: a tensor left in a queue that nobody reads
-        must not hold the sender's exit up)."""
+        and raises the warning again in its process). ``sender_exit``: the torch
+        drop-in's owner, at its process's exit; an unclaimed lease is waited for
+        only while some consumer is connected (a tensor left in a queue that nobody
+        reads must not hold the exit up), and the warning speaks of sent tensors."""
         timeout = self.shutdown_timeout if timeout is None else timeout
         state = self._state
         leases = self.leases
@@ -406,7 +406,7 @@ class Owner:
             # Leases held in this process are waited for no more than the owner's own
             # references: their memory stays valid here until they go, then it is freed.
             deadline = time.monotonic() + timeout
-            while self._awaited_locked(unclaimed_needs_peer) and time.monotonic() < deadline:
+            while self._awaited_locked(sender_exit) and time.monotonic() < deadline:
                 state.cond.wait(min(0.05, max(0.0, deadline - time.monotonic())))
                 leases.catch_up_locked()
             outstanding = leases.held_elsewhere_locked()
@@ -423,11 +423,19 @@ class Owner:
             with state.lock:
                 self.unmapper.leaked.extend({lease.record for lease in outstanding})
             waited = f"after {timeout:g} s" if time.monotonic() >= deadline else "with no consumer connected"
-            message = (
-                f"gpushare: Manager shut down with {len(outstanding)} lease(s) outstanding {waited}: "
-                f"{', '.join(names)}, held by {', '.join(holders)}. That memory is leaked (not freed under "
-                "its users) until this process exits; release buffers in workers before shutting down"
-            )
+            if sender_exit:
+                message = (
+                    f"gpushare: this process exits with {len(outstanding)} lease(s) on CUDA tensors it sent "
+                    f"outstanding {waited}: {', '.join(names)}, held by {', '.join(holders)}. Their memory goes "
+                    "with this process; receivers get OwnerGoneError. Keep the sender running until receivers "
+                    "let go, or send tensors over Manager(owner='server') buffers, which outlive it"
+                )
+            else:
+                message = (
+                    f"gpushare: Manager shut down with {len(outstanding)} lease(s) outstanding {waited}: "
+                    f"{', '.join(names)}, held by {', '.join(holders)}. That memory is leaked (not freed under "
+                    "its users) until this process exits; release buffers in workers before shutting down"
+                )
             messages.append(message)
             warn(message, LeakWarning)
         for record in ours:
@@ -454,11 +462,11 @@ class Owner:
             _owners.pop(self.token, None)
         return messages
 
-    def _awaited_locked(self, unclaimed_needs_peer: bool) -> bool:
-        """Whether shutdown still waits: a lease held elsewhere, or unclaimed (and, with
-        ``unclaimed_needs_peer``, some consumer connected that could claim it)."""
+    def _awaited_locked(self, sender_exit: bool) -> bool:
+        """Whether shutdown still waits: a lease held elsewhere, or unclaimed (and, at a
+        ``sender_exit``, some consumer connected that could claim it)."""
         held = self.leases.held_elsewhere_locked()
-        if unclaimed_needs_peer and not len(self.consumers):
+        if sender_exit and not len(self.consumers):
             return any(lease.holder is not None for lease in held)
         return bool(held)
 

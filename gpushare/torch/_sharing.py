@@ -58,7 +58,7 @@ def sharing_owner() -> Any:
                 # the exit up only while a receiver is connected to take it.
                 util.Finalize(
                     None,
-                    functools.partial(owner.shutdown, unclaimed_needs_peer=True),
+                    functools.partial(owner.shutdown, sender_exit=True),
                     exitpriority=CLOSE_PRIORITY - 1,
                 )
                 _owner = owner
