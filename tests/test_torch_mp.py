@@ -777,7 +777,7 @@ def test_a_senders_exit_tells_receivers_blocked_on_its_queues_before_it_waits_fo
 
 def test_a_buffer_left_in_a_queue_nobody_reads_does_not_hold_the_senders_exit(tmp_path) -> None:
     """The sender returns with a buffer unclaimed in a queue and no receiver connected: it
-    exits at once (it used to wait the whole 5 s), warning of the unclaimed lease."""
+    exits at once, not after the 5 s wait for leases, and warns of the unclaimed lease."""
     then = "proc_q = mp.Queue(); procs[0].join(30); proc_q.put(host_buffer(3.0))"
     ended, exited, stderr = _run_host_sender(tmp_path, "take_late_once", 1, then)
     assert exited - ended < 3.0, f"the sender took {exited - ended:.2f} s to exit"
