@@ -723,11 +723,16 @@ if __name__ == "__main__":
 """
 
 
-def take_late(q, report) -> None:
-    """Receive a buffer, let it go, then take the next one a second after it was put."""
+def take_late_once(q, report) -> None:
+    """Receive one buffer, let it go and exit (its connection to the sender closes)."""
     q.get(timeout=60).release()
     with open(report + ".got", "w") as f:
         f.write("first")
+
+
+def take_late(q, report) -> None:
+    """Receive a buffer, let it go, then take the next one a second after it was put."""
+    take_late_once(q, report)
     time.sleep(1.0)
     try:
         buf = q.get(timeout=30)
@@ -737,13 +742,6 @@ def take_late(q, report) -> None:
         verdict = type(exc).__name__
     with open(report, "w") as f:
         f.write(f"{verdict} {time.time()}")
-
-
-def take_late_once(q, report) -> None:
-    """Receive one buffer, let it go and exit (its connection to the sender closes)."""
-    q.get(timeout=60).release()
-    with open(report + ".got", "w") as f:
-        f.write("first")
 
 
 def _run_host_sender(tmp_path, consumer: str, consumers: int, then: str = "") -> tuple[float, float, str]:

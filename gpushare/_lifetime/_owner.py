@@ -424,18 +424,18 @@ class Owner:
                 self.unmapper.leaked.extend({lease.record for lease in outstanding})
             waited = f"after {timeout:g} s" if time.monotonic() >= deadline else "with no consumer connected"
             if sender_exit:
-                message = (
-                    f"gpushare: this process exits with {len(outstanding)} lease(s) on CUDA tensors it sent "
-                    f"outstanding {waited}: {', '.join(names)}, held by {', '.join(holders)}. Their memory goes "
-                    "with this process; receivers get OwnerGoneError. Keep the sender running until receivers "
-                    "let go, or send tensors over Manager(owner='server') buffers, which outlive it"
+                what = f"this process exits with {len(outstanding)} lease(s) on CUDA tensors it sent outstanding"
+                then = (
+                    "Their memory goes with this process; receivers get OwnerGoneError. Keep the sender running "
+                    "until receivers let go, or send tensors over Manager(owner='server') buffers, which outlive it"
                 )
             else:
-                message = (
-                    f"gpushare: Manager shut down with {len(outstanding)} lease(s) outstanding {waited}: "
-                    f"{', '.join(names)}, held by {', '.join(holders)}. That memory is leaked (not freed under "
-                    "its users) until this process exits; release buffers in workers before shutting down"
+                what = f"Manager shut down with {len(outstanding)} lease(s) outstanding"
+                then = (
+                    "That memory is leaked (not freed under its users) until this process exits; release buffers "
+                    "in workers before shutting down"
                 )
+            message = f"gpushare: {what} {waited}: {', '.join(names)}, held by {', '.join(holders)}. {then}"
             messages.append(message)
             warn(message, LeakWarning)
         for record in ours:
