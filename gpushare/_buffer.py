@@ -6,7 +6,9 @@
 - Between processes it travels as ``(rebuild_buffer, (descriptor bytes,))``, a new lease per
   pickling (:func:`share_bytes`): ``Buffer.__reduce__`` asks :func:`reduce_buffer` (the Ray form
   in a process connected to Ray); the Queue writes and reads the same bytes itself
-  (:func:`queue_pickle`, :func:`from_queue_pickle`).
+  (:func:`queue_pickle`, :func:`from_queue_pickle`). A Queue message naming an allocation
+  this process already maps arrives in one C call where ``_handoff.c`` builds
+  (``gpushare._native``): each arrival the Python path makes leaves it an entry.
 - Other modules reach a Buffer's memory through :func:`window` and :func:`memory_of`.
 Why: docs/design.md, "Descriptors" and "A handoff, step by step".
 """
@@ -19,9 +21,9 @@ import sys
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from . import _seams
+from . import _native, _seams
 from ._errors import BufferReleasedError
-from ._memory import Descriptor, Memory, _dtype
+from ._memory import Descriptor, Memory, _dtype, descriptor_key, descriptor_layout
 
 if TYPE_CHECKING:
     import numpy as np
@@ -513,7 +515,14 @@ QUEUE_DATA_AT = len(QUEUE_HEAD) + QUEUE_LENGTH.size
 
 def queue_pickle(buf: Buffer) -> bytes:
     """The pickle of ``reduce_buffer(buf)``, built directly (a new lease, like any pickling)."""
+    share = _share
+    if share is not None:
+        whole = share(buf)  # None: the Python path's turn, with nothing changed
+        if whole is not None:
+            return whole
     data = share_bytes(buf)
+    if _shares is not False:
+        _plan_share(buf)
     return QUEUE_HEAD + QUEUE_LENGTH.pack(len(data)) + data + QUEUE_TAIL
 
 
@@ -551,7 +560,123 @@ def attach_buffer(desc: Descriptor) -> Buffer:
 def from_queue_pickle(data: bytes) -> Buffer | None:
     """The Buffer ``data`` is the :func:`queue_pickle` of, or None for any other pickle."""
     if data.startswith(QUEUE_HEAD) and data.endswith(QUEUE_TAIL):
+        arrive = _arrive
+        if arrive is not None:
+            buf = arrive(data)  # None: the Python path's turn, with nothing changed
+            if buf is not None:
+                return buf
         (length,) = QUEUE_LENGTH.unpack_from(data, len(QUEUE_HEAD))
         if QUEUE_DATA_AT + length + len(QUEUE_TAIL) == len(data):
-            return rebuild_buffer(data[QUEUE_DATA_AT : QUEUE_DATA_AT + length])
+            desc = data[QUEUE_DATA_AT : QUEUE_DATA_AT + length]
+            buf = rebuild_buffer(desc)
+            if _arrivals is not False:
+                _remember_arrival(desc, buf)
+            return buf
     return None
+
+
+# -- both ends in one C call (gpushare._handoff.c) --------------------------------------------
+#: The slots the C calls set, in their order: Memory's (the first twelve are an arrival
+#: entry's values, taken from a Memory the Python path made), Buffer's, _Drop's, a received
+#: buffer's lease source's, and a Lease's.
+HANDOFF_SLOTS = (
+    ("address", "alloc_id", "alloc_nbytes", "backend", "base", "device", "device_uuid", "event", "generation",
+     "handle", "native", "owner_token", "_refs", "exit_release", "pending", "source", "templates"),
+    ("_memory", "_offset", "_shape", "_dtype", "_export", "_finalizer"),
+    ("_held", "alive"),
+    ("lease_id", "link"),
+    ("lease_id", "record", "generation", "holder", "created", "keep", "quiet"),
+)  # fmt: skip
+ARRIVALS_MAX = 256  # arrival entries kept (one per view of an allocation and ready event); all forgotten at this many
+_handoff: Any = None  # the C module, False where it is not used
+_shares: Any = None  # this process's Shares, False where the C share is not used
+_share: Any = None  # its share(), once a plan is kept
+_arrivals: Any = None  # this process's Arrivals, False where the C arrival is not used
+_arrive: Any = None  # its arrive(), once it holds an entry
+#: Why the C calls are not in use in this process (None while they are, or before the first try).
+handoff_why_not: str | None = None
+
+
+def _plan_share(buf: Buffer) -> None:
+    """The Python path shared ``buf`` (its template is made): keep what the C share needs
+    to share the same view alike, in the Memory's templates, if it is a Manager's own."""
+    global _shares, _share
+    memory = buf._memory
+    parts_of = getattr(memory.source, "share_parts", None)
+    templates = memory.templates
+    if parts_of is None or templates is None:
+        return
+    parts = parts_of()
+    allocation = parts[7]
+    key = (buf._offset, buf._shape, buf._dtype)
+    known = templates.get(key)
+    if known is not None and known[12] == allocation.handle:
+        return
+    template = templates.get((*key, allocation.handle))
+    if template is None:
+        return
+    shares = _shares
+    if shares is None:
+        shares = _shares = _new_handoff(
+            "Shares", _lease_type(), HANDOFF_SLOTS[4], QUEUE_HEAD, QUEUE_TAIL, weakref.finalize,
+            weakref.finalize._registry,  # type: ignore[attr-defined]
+        )  # fmt: skip
+        if shares is False:
+            return
+    templates[key] = (*parts, memory.generation, allocation.handle, *template.parts())
+    _share = shares.share
+
+
+def _lease_type() -> type:
+    from ._lifetime._records import Lease  # the owner side: loaded in this process already
+
+    return Lease
+
+
+def _remember_arrival(desc: bytes, buf: Buffer) -> None:
+    """The Python path attached ``buf`` from descriptor bytes ``desc``: keep what the C
+    arrival needs to attach the next sharing of the same view alike."""
+    global _arrivals, _arrive
+    from ._lifetime import arrival_parts
+
+    memory = buf._memory
+    parts = arrival_parts(memory)
+    if parts is None:  # not leased over a link that journals its claims (the owner's own process, say)
+        return
+    table = _arrivals
+    if table is None:
+        from ._lifetime import CLAIM, NUDGE, RELEASE, arrival_source, journal_layout, release_in_c
+
+        memory_slots, buffer_slots, drop_slots, source_slots, _ = HANDOFF_SLOTS
+        table = _arrivals = _new_handoff(
+            "Arrivals", Memory, memory_slots, Buffer, buffer_slots, _Drop, drop_slots, arrival_source(), source_slots,
+            QUEUE_HEAD, QUEUE_TAIL, *descriptor_layout(), *journal_layout(), CLAIM, RELEASE, NUDGE,
+        )  # fmt: skip
+        if table is False:
+            return
+        release_in_c(table.release)
+    if len(table) >= ARRIVALS_MAX:
+        table.clear()
+    client, lock, held, mappings, mapping, recorder, link = parts
+    values = tuple(getattr(memory, name) for name in HANDOFF_SLOTS[0][:12])
+    entry = (client, lock, held, mappings, mapping, recorder, memory.alloc_id, values, buf._offset, buf._shape,
+             buf._dtype, link)  # fmt: skip
+    table.add(descriptor_key(desc), entry)
+    _arrive = table.arrive
+
+
+def _new_handoff(kind: str, *args: Any) -> Any:
+    """A ``kind`` (Shares or Arrivals) of the C module made with ``args``, or False
+    (``handoff_why_not`` says why)."""
+    global _handoff, handoff_why_not
+    if _handoff is None:
+        _handoff = _native.handoff_module() or False
+        if _handoff is False:
+            handoff_why_not = _native.handoff_why_not()
+    if _handoff is False:
+        return False
+    try:
+        return getattr(_handoff, kind)(*args)
+    except (TypeError, ValueError) as exc:  # a class's slots changed: the Python path alone
+        handoff_why_not = f"the C {kind} does not fit these classes: {exc}"
+        return False

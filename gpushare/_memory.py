@@ -40,7 +40,7 @@ from ._errors import DescriptorError
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["BACKEND_CODES", "Descriptor", "Memory", "Source", "Template"]
+__all__ = ["BACKEND_CODES", "Descriptor", "Memory", "Source", "Template", "descriptor_key", "descriptor_layout"]
 
 
 class Source(Protocol):
@@ -120,7 +120,8 @@ class Memory:
         self.event = event
         self.pending = event is not None
         # Sharer side: descriptor templates per (offset, shape, dtype, handle) view,
-        # filled with a lease id and a ready event at each pickling (_buffer.share_bytes).
+        # filled with a lease id and a ready event at each pickling (_buffer.share_bytes),
+        # and per (offset, shape, dtype) the C share's plan (_buffer._plan_share).
         self.templates: dict[tuple[Any, ...], Any] | None = None
         # Whether Buffers of this memory must also be released by the interpreter's exit
         # hook (see gpushare._buffer): false for a lease claimed over a link.
@@ -249,7 +250,7 @@ class Descriptor(NamedTuple):
         with only the lease id (and the checksum) changed: those it parses once and
         keeps (bounded), checking only the checksum of later arrivals."""
         if type(data) is bytes and len(data) >= _MIN_SIZE:
-            key = data[:_LEASE_AT] + data[_LEASE_AT + _LEASE.size : -_CRC.size]
+            key = descriptor_key(data)
             known = _parsed.get(key)
             if known is not None and zlib.crc32(data[: -_CRC.size]) == _CRC.unpack_from(data, len(data) - 4)[0]:
                 head, tail = known  # the fields before and after the lease id
@@ -341,6 +342,17 @@ class Descriptor(NamedTuple):
         return desc
 
 
+def descriptor_key(data: bytes) -> bytes:
+    """A descriptor's bytes less its lease id and checksum: the same for every sharing of
+    one view of one allocation (with one ready event)."""
+    return data[:_LEASE_AT] + data[_LEASE_AT + _LEASE.size : -_CRC.size]
+
+
+def descriptor_layout() -> tuple[int, int]:
+    """Where the lease id sits in a descriptor, and a descriptor's least size (for the C arrival)."""
+    return _LEASE_AT, _MIN_SIZE
+
+
 # See Descriptor.from_bytes: per descriptor less its lease id, the fields around the lease id.
 _parsed: dict[bytes, tuple[tuple[Any, ...], tuple[Any, ...]]] = {}
 
@@ -361,6 +373,10 @@ class Template:
         self._post = post  # the shape
         # From the lease id on, with no event: host memory, and CUDA memory whose stream was idle.
         self._no_event = mid + _LENGTH.pack(0) + post
+
+    def parts(self) -> tuple[bytes, bytes, bytes, bytes]:
+        """``(pre, mid, post, no_event)``: what :meth:`fill` joins (the C share joins them too)."""
+        return self._pre, self._mid, self._post, self._no_event
 
     def fill(self, lease_id: int, event: bytes) -> bytes:
         if event:

@@ -1,5 +1,6 @@
 """gpushare's small C extension modules, built on first use, else nothing: the Queue region's
-put and get (``_region.c``) and the driver's per-handoff queries (``_cuda/_queries.c``).
+put and get (``_region.c``), a buffer's handoff at both ends of a Queue (``_handoff.c``) and
+the driver's per-handoff queries (``_cuda/_queries.c``).
 
 - Built with the system C compiler (``$CC``, else ``cc``) and this Python's headers into a
   cache folder (``$GPUSHARE_CACHE``, else ``$XDG_CACHE_HOME/gpushare``, else
@@ -13,9 +14,13 @@ put and get (``_region.c``) and the driver's per-handoff queries (``_cuda/_queri
   protocol), :func:`region_ops` is None and the Queue runs its Python path alone. Its C
   calls take the plain case only. Whatever else (a busy lock, a payload to spill) they hand
   back untouched (PYTHON), and the Python path takes it.
+- The handoff (:func:`handoff_module`) is used on Linux wherever it builds: a Manager's
+  buffer put on a Queue, and a Queue message naming an allocation this process maps, each in
+  one call, from what the Python path left (``gpushare._buffer``); anything else, and
+  everywhere it does not build, or with ``GPUSHARE_HANDOFF_NATIVE=0``, takes the Python path.
 - The queries (:func:`queries_type`) are used on Linux wherever they build; elsewhere the
   driver's queries go through ctypes (``_cuda._queries``).
-- ``GPUSHARE_NATIVE=0`` turns both off.
+- ``GPUSHARE_NATIVE=0`` turns all three off.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
-__all__ = ["EMPTY", "PYTHON", "queries_type", "region_ops", "why_not"]
+__all__ = ["EMPTY", "PYTHON", "handoff_module", "handoff_why_not", "queries_type", "region_ops", "why_not"]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EMPTY, PYTHON = -1, -2  # the region's answers besides a put's own (Region.try_put's) and a message
@@ -73,7 +78,7 @@ class _Extension:
                     raise ImportError(f"cannot load {path}")
                 module = module_from_spec(spec)
                 spec.loader.exec_module(module)
-                self.value = getattr(module, self.attr)
+                self.value = getattr(module, self.attr) if self.attr else module
             except (OSError, ImportError, AttributeError) as exc:
                 self.why_not = f"the C {self.stem} could not be built or loaded: {exc}"
             self.tried = True
@@ -82,6 +87,7 @@ class _Extension:
 
 _region = _Extension("_region.c", "gpushare_region", "Ring", "region", ("pthread",))
 _queries = _Extension(os.path.join("_cuda", "_queries.c"), "gpushare_queries", "Queries", "queries", ("dl",))
+_handoff = _Extension("_handoff.c", "gpushare_handoff", "", "handoff", ())
 
 
 def _off() -> bool:
@@ -178,6 +184,28 @@ def region_ops(
         return None
     (p0, p1), (c0, c1) = copies
     return ring(start, ctypes.addressof(start), cap, spill_over, header, *words, p0, p1, c0, c1, *locks)
+
+
+def handoff_module() -> Any:
+    """The module of ``_handoff.c`` (its ``Shares`` and ``Arrivals``: see ``gpushare._buffer``),
+    or None where it cannot be built or loaded, off Linux, or with ``GPUSHARE_NATIVE=0``."""
+    if _off() or _handoff_off() or not sys.platform.startswith("linux"):
+        return None
+    return _handoff.load()
+
+
+def _handoff_off() -> bool:
+    return os.environ.get("GPUSHARE_HANDOFF_NATIVE", "1") == "0"
+
+
+def handoff_why_not() -> str | None:
+    """Why the handoff's C calls are not in use (None while they are, or before the first try)."""
+    for name in ("GPUSHARE_NATIVE", "GPUSHARE_HANDOFF_NATIVE"):
+        if os.environ.get(name, "1") == "0":
+            return f"{name}=0"
+    if not sys.platform.startswith("linux"):
+        return "the C handoff is built on Linux only"
+    return _handoff.why_not
 
 
 def queries_type() -> Any:

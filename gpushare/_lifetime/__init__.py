@@ -86,17 +86,35 @@ imports it from :mod:`~gpushare._lifetime._owner`.
 
 from __future__ import annotations
 
-from ._link import Link, attach, close_link, close_links, link_for, link_stats, links
-from ._protocol import LOCAL, owner_for
+from ._link import (
+    Link,
+    arrival_parts,
+    arrival_source,
+    attach,
+    close_link,
+    close_links,
+    link_for,
+    link_stats,
+    links,
+    release_in_c,
+)
+from ._protocol import CLAIM, LOCAL, NUDGE, RELEASE, journal_layout, owner_for
 
 __all__ = [
+    "CLAIM",
     "LOCAL",
+    "NUDGE",
+    "RELEASE",
     "Link",
+    "arrival_parts",
+    "arrival_source",
     "attach",
     "close_link",
     "close_links",
+    "journal_layout",
     "link_for",
     "link_stats",
     "links",
     "owner_for",
+    "release_in_c",
 ]

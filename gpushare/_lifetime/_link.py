@@ -302,9 +302,14 @@ class _LeaseSource:
 
     def drop(self, memory: Memory) -> None:
         # An owner that is gone hands nothing out again: there is nothing to wait for.
-        if memory.device is not None and self.link.gone is None:
+        link = self.link
+        if memory.device is not None and link.gone is None:
             _finish_default_stream(memory.device)
-        self.link.recorder.note(RELEASE, self.lease_id, memory.alloc_id)
+        release = _release
+        if release is not None:  # the same in one C call
+            release(link, self.lease_id, memory.alloc_id)
+        else:
+            link.recorder.note(RELEASE, self.lease_id, memory.alloc_id)
 
     def share(self, memory: Memory) -> tuple[int, bytes, bytes]:
         """Re-share a received buffer (A -> B -> C): a new lease from the owner, and a
@@ -690,6 +695,39 @@ def attach(desc: Descriptor) -> Memory:
     if owner is not None:
         return owner.attach_local(desc)
     return link_for(desc.address, desc.owner_token).attach(desc)
+
+
+def arrival_parts(memory: Memory) -> tuple[Any, ...] | None:
+    """What the C arrival (``gpushare._handoff.c``) needs of the link ``memory`` arrived
+    over, to take the next lease on the same allocation as :meth:`Link.attach` does:
+    ``(client, lock, held, mappings, mapping, recorder, link)``; None unless ``memory``
+    was leased over a link that records in a journal and still maps it."""
+    source = memory.source
+    if type(source) is not _LeaseSource:
+        return None
+    link = source.link
+    if not link.recorder.has_journal or link.gone is not None:
+        return None
+    mapping = link._mappings.get(memory.alloc_id)
+    if mapping is None:
+        return None
+    return (link.client, link._lock, link._held, link._mappings, mapping, link.recorder, link)
+
+
+def arrival_source() -> type:
+    """The lease source of a buffer received over a link (the C arrival makes them)."""
+    return _LeaseSource
+
+
+#: ``LeaseRecorder.note(RELEASE, ...)`` in one call, ``release(link, lease_id, alloc_id)``: the
+#: C arrival's (``gpushare._handoff.c``), once it is in use in this process.
+_release: Callable[[Link, int, int], None] | None = None
+
+
+def release_in_c(release: Callable[[Link, int, int], None]) -> None:
+    """Record releases with ``release`` from now on (see ``_release``)."""
+    global _release
+    _release = release
 
 
 def link_for(address: str, token: bytes, authkey: bytes | None = None) -> Link:

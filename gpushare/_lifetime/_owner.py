@@ -63,6 +63,10 @@ class _OwnerSource:
     def check(self, memory: Memory) -> None:
         check_alive(self.record)
 
+    def share_parts(self) -> tuple[Any, ...]:
+        """See :meth:`LeaseTable.share_parts`: a buffer of this Manager put on a Queue."""
+        return self.owner.leases.share_parts(self.record)
+
     @property
     def authkey(self) -> bytes:
         return self.owner.authkey

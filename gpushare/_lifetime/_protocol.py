@@ -65,6 +65,7 @@ __all__ = [
     "Unmap",
     "Unmapped",
     "create_writer",
+    "journal_layout",
     "log",
     "owner_for",
     "owners",
@@ -242,6 +243,13 @@ _MASK = (1 << 64) - 1
 _K = 0x9E3779B97F4A7C15  # odd; 2**64 - CAPACITY * _K mod 2**64 lies in [2**60, 2**61)
 _SALT = 0x6770757368617265  # so that no stamp of the first lap is 0 or small
 _CHUNK = 256  # records the owner copies out of the mapping at a time
+
+
+def journal_layout() -> tuple[int, int, int, int, int, int]:
+    """The journal's layout for the C arrival (``gpushare._handoff.c``), which writes claims
+    as :meth:`JournalWriter.try_append` does: where records start, a record's size, the
+    capacity, the nudge threshold, and stamp()'s multiplier and salt."""
+    return _RECORDS_AT, _STRIDE, CAPACITY, NUDGE_AT, _K, _SALT
 
 
 def stamp(seq: int) -> int:

@@ -439,6 +439,15 @@ class LeaseTable:
             record.leases.add(lease.lease_id)
             return lease.lease_id, event, handle
 
+    def share_parts(self, record: AllocRecord) -> tuple[Any, ...]:
+        """What the C share (``gpushare._handoff.c``) needs to take a lease on ``record`` as
+        :meth:`take` does: ``(lock, pending, table, leases, ids, record, record's leases,
+        allocation, backend, ready events or None, device)``."""
+        ready = self.ready if record.backend.is_cuda else None
+        allocation = record.allocation
+        return (self._state.lock, self._pending, self, self._leases, self._ids, record, record.leases, allocation,
+                record.backend, ready, allocation.device)  # fmt: skip
+
     def claim_locked(self, lease_id: int, alloc_id: int | None, holder: int) -> Lease:
         """``holder`` claims ``lease_id``. ``alloc_id`` None: the claimer already maps the allocation."""
         lease = self._leases.get(lease_id)
