@@ -16,6 +16,7 @@ Why: docs/design.md, "Descriptors" and "A handoff, step by step".
 from __future__ import annotations
 
 import math
+import os
 import struct
 import sys
 import weakref
@@ -663,6 +664,20 @@ def _remember_arrival(desc: bytes, buf: Buffer) -> None:
              buf._dtype, link)  # fmt: skip
     table.add(descriptor_key(desc), entry)
     _arrive = table.arrive
+
+
+def _forget_handoff() -> None:
+    """A forked child: its parent's links are not its own (``_lifetime`` drops them), so
+    neither are the arrival entries made over them. It makes its own, as its Python path
+    makes its own links."""
+    global _arrive
+    _arrive = None
+    if _arrivals:
+        _arrivals.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_handoff)
 
 
 def _new_handoff(kind: str, *args: Any) -> Any:

@@ -538,10 +538,18 @@ static PyObject *Arrivals_arrive(Arrivals *self, PyObject *msg)
         if (more != NULL && PyObject_SetAttr(mapping, self->s_refs, more) == 0) {
             claimed = PySet_Add(held, lease_obj) < 0 ? -1 : record_locked(self, PyTuple_GET_ITEM(entry, E_RECORDER), self->claim, lease);
             if (claimed <= 0) {  /* not claimed: undo the count (the Python path takes it from here) */
+                PyObject *et, *ev, *tb;
+                PyErr_Fetch(&et, &ev, &tb);  /* an error already set is the one raised */
                 PyObject *back = PyNumber_Subtract(more, self->one);
-                if (back == NULL || PyObject_SetAttr(mapping, self->s_refs, back) < 0 || PySet_Discard(held, lease_obj) < 0)
-                    claimed = -1;
+                int undone = back != NULL && PyObject_SetAttr(mapping, self->s_refs, back) == 0 &&
+                             PySet_Discard(held, lease_obj) >= 0;
                 Py_XDECREF(back);
+                if (et != NULL) {
+                    PyErr_Clear();
+                    PyErr_Restore(et, ev, tb);
+                } else if (!undone) {
+                    claimed = -1;
+                }
             }
         }
         Py_XDECREF(more);

@@ -9,6 +9,7 @@ reason.
 from __future__ import annotations
 
 import gc
+import os
 import time
 
 import pytest
@@ -258,3 +259,50 @@ def test_a_class_with_a_slot_the_c_calls_do_not_set_turns_them_off(monkeypatch) 
     assert made is False
     assert "does not fit" in (_buffer.handoff_why_not or "") and "'added'" in (_buffer.handoff_why_not or "")
     assert _buffer._arrive is None  # nothing kept: every arrival takes the Python path
+
+
+def w_forked_child_takes(q, n, done) -> None:  # type: ignore[no-untyped-def]
+    from gpushare._lifetime import links
+
+    assert _buffer._arrive is None  # the parent's entries are not this process's
+    for _ in range(n):
+        buf = q.get(timeout=T)
+        assert float(buf.numpy()[0, 0]) == 3.0
+        buf.release()
+    [link] = links()
+    done.put(("ok", os.getpid(), id(link)))
+
+
+def w_receive_then_fork(out, q, n) -> None:  # type: ignore[no-untyped-def]
+    import multiprocessing
+
+    from gpushare._lifetime import links
+
+    for _ in range(n):
+        q.get(timeout=T).release()
+    assert _buffer._arrive is not None, _buffer.handoff_why_not
+    [mine] = links()
+    done = multiprocessing.get_context("fork").SimpleQueue()
+    child = multiprocessing.get_context("fork").Process(target=w_forked_child_takes, args=(q, n, done))
+    child.start()
+    child.join(T)
+    assert child.exitcode == 0, child.exitcode
+    status, pid, _ = done.get()
+    assert status == "ok" and pid == child.pid
+    for _ in range(n):  # and this process goes on with its own entries
+        buf = q.get(timeout=T)
+        assert memory_of(buf).source.link is mine
+        buf.release()
+    out.put(("ok", 0))
+
+
+def test_a_forked_child_makes_its_own_arrival_entries(manager, reap) -> None:
+    handoff_here()
+    n = 4
+    buf = manager.full(SHAPE, 3.0, "float32", device="cpu")
+    q = mp.Queue()
+    for _ in range(3 * n):
+        q.put(buf)
+    out = run_guarded(reap, w_receive_then_fork, q, n)
+    assert recv(out) == ("ok", 0)
+    wait_until(lambda: no_leases(manager))
