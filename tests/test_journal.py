@@ -173,6 +173,45 @@ def test_more_records_than_the_journal_holds_all_arrive(manager, reap, journal) 
     buf.release()
 
 
+def drop_inherited(held) -> None:
+    held.clear()  # the inherited Buffer's last reference, in the forked child
+
+
+def hold_then_fork(q, results, control) -> None:
+    import multiprocessing
+
+    held = [q.get(timeout=30)]
+    child = multiprocessing.get_context("fork").Process(target=drop_inherited, args=(held,))
+    child.start()
+    child.join(30)
+    results.put(("forked", child.exitcode))
+    assert control.get(timeout=30) == "counted"  # the owner read every journal meanwhile
+    results.put(("read", float(held[0].numpy()[0])))
+    held[0].release()
+    results.put(("released", 0))
+
+
+def test_a_forked_child_dropping_an_inherited_buffer_leaves_its_parents_lease(manager, reap) -> None:
+    """The journal's memory is shared across fork: a child that recorded the release of a
+    buffer it inherited would give back the lease its parent still holds."""
+    buf = manager.full((16,), 4.0, "float32", device="cpu")
+    q, answers, control = mp.Queue(), mp.Queue(), mp.Queue()
+    proc = mp.Process(target=hold_then_fork, args=(q, answers, control))
+    proc.start()
+    reap.append(proc)
+    q.put(buf)
+    assert answers.get(timeout=30) == ("forked", 0)
+    time.sleep(0.5)
+    assert manager.stats()["leases"] == 1  # stats() reads the journals first
+    control.put("counted")
+    assert answers.get(timeout=30) == ("read", 4.0)
+    assert answers.get(timeout=30) == ("released", 0)
+    wait_until(lambda: manager.stats()["leases"] == 0, timeout=10)
+    proc.join(timeout=30)
+    assert proc.exitcode == 0
+    buf.release()
+
+
 def claim_and_die(data, results) -> None:
     bufs = [pickle.loads(d) for d in data]
     results.put(len(bufs))

@@ -28,6 +28,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from multiprocessing import AuthenticationError, current_process
 from typing import TYPE_CHECKING, Any
 
@@ -262,6 +263,13 @@ class LeaseRecorder:
     def has_journal(self) -> bool:
         return self._journal is not None
 
+    def disown(self) -> None:
+        """A forked child's copy: the journal, the connection and the leases are its
+        parent's, so nothing is recorded into them from here. A buffer the child inherited
+        and drops leaves its parent's lease alone (its records stay queued here, and no
+        writer thread runs in the child to send them)."""
+        self._journal = None
+
     def backlog(self) -> int:
         """Records still waiting for the writer thread."""
         return len(self._backlog)
@@ -338,6 +346,8 @@ class _LeaseSource:
 
 _links: dict[bytes, Link] = {}
 _links_lock = threading.Lock()
+#: Every Link this process made and still references, current or replaced (a forked child disowns them).
+_made: weakref.WeakSet[Link] = weakref.WeakSet()
 
 
 class Link(Handler):
@@ -742,6 +752,7 @@ def link_for(address: str, token: bytes, authkey: bytes | None = None) -> Link:
                 key = bytes(current_process().authkey) if authkey is None else authkey
                 link = Link(address, token, key)
                 _links[token] = link
+                _made.add(link)
                 _seams.at_worker_exit(close_links)  # a worker's exit skips atexit
     return link
 
@@ -782,8 +793,11 @@ atexit.register(close_links)
 
 def _after_fork_in_child() -> None:
     # A forked child shares none of its parent's threads or sockets: it has no
-    # links until it makes its own.
+    # links until it makes its own, and the ones it inherited record nothing.
     global _links_lock
+    for link in list(_made):
+        link.recorder.disown()
+    _made.clear()
     _links.clear()
     _links_lock = threading.Lock()
 
