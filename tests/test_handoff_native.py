@@ -49,7 +49,9 @@ def test_the_c_share_writes_and_leases_what_the_python_path_does(manager) -> Non
     first = queue_pickle(buf)  # the Python path, which leaves the plan
     assert _buffer._share is not None, _buffer.handoff_why_not
     before = time.monotonic()
-    second, third = queue_pickle(buf), queue_pickle(buf)
+    second = _buffer._shares.share(buf)  # the C call itself: not handed back
+    third = queue_pickle(buf)
+    assert second is not None
     py, c, c2 = parse(first), parse(second), parse(third)
     assert c._replace(lease_id=0) == py._replace(lease_id=0) == c2._replace(lease_id=0)
     assert (c.lease_id, c2.lease_id) == (py.lease_id + 1, py.lease_id + 2)
@@ -107,8 +109,18 @@ def w_compare_arrivals(out, q, n) -> None:  # type: ignore[no-untyped-def]
     from gpushare._lifetime import links
 
     first = q.get(timeout=T)
-    assert _buffer._arrive is not None, _buffer.handoff_why_not
+    arrive = _buffer._arrive
+    assert arrive is not None, _buffer.handoff_why_not
+    served = []
+
+    def counted(data: bytes):  # type: ignore[no-untyped-def]
+        buf = arrive(data)
+        served.append(buf is not None)
+        return buf
+
+    _buffer._arrive = counted
     rest = [q.get(timeout=T) for _ in range(n - 1)]
+    assert served == [True] * (n - 1)  # every later one arrived by the C call
     m0 = memory_of(first)
     [link] = links()
     mapping = link._mappings[m0.alloc_id]
