@@ -318,3 +318,38 @@ def test_a_forked_child_makes_its_own_arrival_entries(manager, reap) -> None:
     out = run_guarded(reap, w_receive_then_fork, q, n)
     assert recv(out) == ("ok", 0)
     wait_until(lambda: no_leases(manager))
+
+
+class _FakeReady:
+    """Stands in for a CUDA sharer's ReadyEvents in a plan: what the C share does with an event."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[object, object]] = []
+
+    def record(self, device: object, stream: object) -> bytes:
+        self.calls.append((device, stream))
+        return bytes(range(64))  # an event handle's size
+
+
+def test_the_c_share_writes_a_ready_event_as_the_template_does(manager) -> None:
+    """On a GPU a busy stream gives each share an event; here a stand-in gives one, so the
+    C share's event framing is checked against the template's on any machine."""
+    handoff_here()
+    buf = manager.zeros(SHAPE, "float32", device="cpu")
+    first = queue_pickle(buf)
+    memory = memory_of(buf)
+    key = (buf._offset, buf._shape, buf._dtype)  # type: ignore[attr-defined]
+    plan = memory.templates[key]
+    ready = _FakeReady()
+    memory.templates[key] = (*plan[:9], ready, 3, *plan[11:])  # the ready events and the device
+    message = _buffer._shares.share(buf)
+    assert message is not None and ready.calls == [(3, 0)]
+    desc = parse(message)
+    assert desc.event == bytes(range(64))
+    template = memory.templates[(*key, memory.handle)]
+    body = template.fill(desc.lease_id, desc.event)
+    assert message == _buffer.QUEUE_HEAD + _buffer.QUEUE_LENGTH.pack(len(body)) + body + _buffer.QUEUE_TAIL
+    memory.templates[key] = plan
+    for sent in (first, message):  # unpickled in the owner's process: no event is opened here
+        from_queue_pickle(sent).release()
+    wait_until(lambda: no_leases(manager))
