@@ -594,6 +594,9 @@ _shares: Any = None  # this process's Shares, False where the C share is not use
 _share: Any = None  # its share(), once a plan is kept
 _arrivals: Any = None  # this process's Arrivals, False where the C arrival is not used
 _arrive: Any = None  # its arrive(), once it holds an entry
+_arrival_parts: Any = None  # _lifetime.arrival_parts, imported at the first arrival that asks
+#: Where a plan (_plan_share) holds the handle its template was made for (_handoff.c's P_HANDLE).
+_PLAN_HANDLE = 12
 #: Why the C calls are not in use in this process (None while they are, or before the first try).
 handoff_why_not: str | None = None
 
@@ -611,7 +614,7 @@ def _plan_share(buf: Buffer) -> None:
     allocation = parts[7]
     key = (buf._offset, buf._shape, buf._dtype)
     known = templates.get(key)
-    if known is not None and known[12] == allocation.handle:
+    if known is not None and known[_PLAN_HANDLE] == allocation.handle:
         return
     template = templates.get((*key, allocation.handle))
     if template is None:
@@ -637,9 +640,12 @@ def _lease_type() -> type:
 def _remember_arrival(desc: bytes, buf: Buffer) -> None:
     """The Python path attached ``buf`` from descriptor bytes ``desc``: keep what the C
     arrival needs to attach the next sharing of the same view alike."""
-    global _arrivals, _arrive
-    from ._lifetime import arrival_parts
+    global _arrivals, _arrive, _arrival_parts
+    arrival_parts = _arrival_parts
+    if arrival_parts is None:  # imported once: a process whose buffers are its own asks at every arrival
+        from ._lifetime import arrival_parts
 
+        _arrival_parts = arrival_parts
     memory = buf._memory
     parts = arrival_parts(memory)
     if parts is None:  # not leased over a link that journals its claims (the owner's own process, say)

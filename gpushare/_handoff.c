@@ -563,10 +563,9 @@ static PyObject *Arrivals_arrive(Arrivals *self, PyObject *msg)
         if (result == NULL) {  /* claimed and no Buffer made: give the lease back, as a drop would */
             PyObject *et, *ev, *tb;
             PyErr_Fetch(&et, &ev, &tb);
-            PyObject *kind = PyLong_FromLong(self->release);
-            PyObject *gave = kind == NULL ? NULL : PyObject_CallMethodObjArgs(
-                PyTuple_GET_ITEM(entry, E_RECORDER), self->s_note, kind, lease_obj, PyTuple_GET_ITEM(entry, E_ALLOC), NULL);
-            Py_XDECREF(kind);
+            PyObject *gave = PyObject_CallMethodObjArgs(PyTuple_GET_ITEM(entry, E_RECORDER), self->s_note,
+                                                        self->release_kind, lease_obj, PyTuple_GET_ITEM(entry, E_ALLOC),
+                                                        NULL);
             Py_XDECREF(gave);
             PyErr_Clear();
             PyErr_Restore(et, ev, tb);
