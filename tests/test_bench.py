@@ -166,6 +166,26 @@ def test_per_queue_fan_out_and_ring_round_trip_run_on_the_host(tmp_path: Path) -
         assert sorted(roundtrip["systems"][name]["cells"]) == ["1", "2"], roundtrip["systems"][name]
 
 
+def test_queue_fan_out_rows_carry_a_buffer_and_a_tuple_on_the_host(tmp_path: Path) -> None:
+    """The queue scenario's fan-out cells (spawned consumers, one Queue each, acks on one Queue): the
+    buffer rows through gpushare's Queue and mp.Queue, and the tuple rows the same pattern; every cell
+    times its iterations and leaves no lease behind."""
+    from bench.runner import Bench
+    from bench.scenarios import queue as qs
+
+    cfg = cli._parse(["--backend", "host", "--quick", "--iters", "3", "--out", str(tmp_path)])
+    bench = Bench(cfg)
+    with bench.stack:
+        for system in (qs.GS, qs.MP):
+            for n in (1, 2):
+                for cell in (qs.buffer_fanout, qs.tuple_fanout):
+                    samples = cell(bench, system, n)
+                    assert len(samples) == 3 and min(samples) > 0, (system, n, cell.__name__)
+        assert bench.manager().stats()["leases"] == 0
+    rows = qs._rows()
+    assert rows[-3:] == ["small tuple, 1 consumer", "small tuple, 4 consumers", "small tuple, 8 consumers"]
+
+
 def test_throughput_judges_the_ring_and_the_queue_on_their_own_targets(tmp_path: Path) -> None:
     """Issue 9's pipelined targets differ: the ring >= 100,000 items/s, gpushare's Queue >= 30,000."""
     done = _bench(tmp_path, "--consumers", "1", "--only", "throughput")

@@ -2,10 +2,12 @@
 
 Rows: the ping-pong round trip of a 64-byte ``bytes`` (one echo consumer, a Queue each
 way); one-way throughput of 64-byte ``bytes`` from one producer to 1, 4 and 8 consumers
-reading one Queue (microseconds per item: items/s is 1e6 over it); and a 1 MiB Manager
+reading one Queue (microseconds per item: items/s is 1e6 over it); a 1 MiB Manager
 buffer handed to 1, 4 and 8 consumers through one Queue each, every consumer acking on one
-Queue of the same system. faster-fifo is a peer from the package index: where it is not
-installed (the GPU machine has no index: install ``.wheels/``), its column is skipped.
+Queue of the same system; and that fan-out with a small tuple instead of the buffer (what
+the pattern's messages cost a system apart from any buffer). faster-fifo is a peer from the
+package index: where it is not installed (the GPU machine has no index: install
+``.wheels/``), its column is skipped.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ PAYLOAD = b"x" * 64
 ROUND_TRIP = "round trip, 64 B"
 ONE_WAY = (1, 4, 8)
 BUFFERS = (1, 4, 8)
+TUPLES = BUFFERS
+TUPLE = (1, 2, 3)
 STREAM_COUNT, STREAM_COUNT_QUICK = 20_000, 5_000  # items per timed repeat of a one-way row
 STREAM_REPEATS, STREAM_REPEATS_QUICK = 5, 3
 FF_BYTES = 64 << 20  # faster-fifo's buffer: large enough that a burst never blocks its producer
@@ -40,7 +44,8 @@ HOW = (
     "with --quick) into one Queue that N consumers drain, until every consumer has taken an end marker "
     "queued behind them; the figure is microseconds per item. Buffer rows hand the same 1 MiB Manager buffer "
     "(host backend without a GPU) to N consumers through one Queue each and wait for every ack; each consumer "
-    "touches and releases it."
+    "touches and releases it. Tuple rows are the same fan-out with the tuple `(1, 2, 3)` instead of the buffer: "
+    "the cost of the pattern's messages and acks alone."
 )
 
 
@@ -60,6 +65,7 @@ def _rows() -> list[str]:
         [ROUND_TRIP]
         + [f"one-way, {n} consumer{'s' * (n > 1)}" for n in ONE_WAY]
         + [f"1 MiB buffer, {n} consumer{'s' * (n > 1)}" for n in BUFFERS]
+        + [f"small tuple, {n} consumer{'s' * (n > 1)}" for n in TUPLES]
     )
 
 
@@ -79,7 +85,8 @@ def plan(bench: Bench) -> None:
         return
     bench.scenarios["queue"].notes.append(
         "One-way rows: microseconds per item over a burst (items/s = 1e6 / the figure). Buffer rows: a 1 MiB "
-        f"buffer of the Manager ({bench.gs_columns()[0][0]}), through one Queue per consumer."
+        f"buffer of the Manager ({bench.gs_columns()[0][0]}), through one Queue per consumer. Tuple rows: the same "
+        "fan-out carrying a small tuple, so a buffer row over its tuple row is what the buffer adds."
     )
     skips = {MP: None, FF: faster_fifo_skip(), GS: None}
     for system in SYSTEMS:
@@ -90,6 +97,9 @@ def plan(bench: Bench) -> None:
         for n in BUFFERS:
             row = rows[1 + len(ONE_WAY) + BUFFERS.index(n)]
             bench.task("queue", system, row, _bind(buffer_fanout, bench, system, n), skips[system])
+        for n in TUPLES:
+            row = rows[1 + len(ONE_WAY) + len(BUFFERS) + TUPLES.index(n)]
+            bench.task("queue", system, row, _bind(tuple_fanout, bench, system, n), skips[system])
 
 
 # -- the systems --------------------------------------------------------------------------------
@@ -139,14 +149,18 @@ def _drain(work: Any, acks: Any) -> None:
             count += 1
 
 
-def _take_buffers(work: Any, acks: Any) -> None:
+def _take_items(work: Any, acks: Any) -> None:
+    """Take a buffer (touch and release it) or a tuple (read its first item) until None; ack each."""
     acks.put(("ready", 0))
     while True:
-        buf = work.get(timeout=ACK_TIMEOUT)
-        if buf is None:
+        item = work.get(timeout=ACK_TIMEOUT)
+        if item is None:
             return
-        _ = buf.numpy()[0] if buf.device == "cpu" else buf.ptr
-        buf.release()
+        if type(item) is tuple:
+            _ = item[0]
+        else:
+            _ = item.numpy()[0] if item.device == "cpu" else item.ptr
+            item.release()
         acks.put(1)
 
 
@@ -238,9 +252,21 @@ def buffer_fanout(bench: Bench, system: str, n: int) -> list[int]:
     if skip is not None:
         raise BenchError(skip)
     buf = m.zeros(HANDOFF_SHAPE, "float32", device=device, backend=backend)
+    try:
+        return _fanout(bench, system, n, buf)
+    finally:
+        buf.release()
+
+
+def tuple_fanout(bench: Bench, system: str, n: int) -> list[int]:
+    return _fanout(bench, system, n, TUPLE)
+
+
+def _fanout(bench: Bench, system: str, n: int, item: Any) -> list[int]:
+    """Put ``item`` once on each of ``n`` consumers' Queues, then wait for every ack."""
     works = [_make_queue(system) for _ in range(n)]
     acks = _make_queue(system)
-    procs = [_ctx(system).Process(target=_take_buffers, args=(w, acks), daemon=True) for w in works]
+    procs = [_ctx(system).Process(target=_take_items, args=(w, acks), daemon=True) for w in works]
     try:
         for p in procs:
             p.start()
@@ -248,7 +274,7 @@ def buffer_fanout(bench: Bench, system: str, n: int) -> list[int]:
 
         def step(i: int) -> None:
             for work in works:
-                work.put(buf)
+                work.put(item)
             for _ in range(n):
                 _check_ack(_get_ack(acks, procs))
 
@@ -257,7 +283,6 @@ def buffer_fanout(bench: Bench, system: str, n: int) -> list[int]:
     finally:
         _stop(procs, lambda: _put_all(works, None))
         _stop_queues([*works, acks])
-        buf.release()
 
 
 def _put_all(queues: list[Any], item: Any) -> None:
