@@ -43,8 +43,26 @@ $(DOCS_STAMP): $(BASE)
 demo: $(BASE)
 	$(PY) examples/fanout.py
 
+# TESTS: what `make test` runs (default: the whole suite), e.g. `make test TESTS=tests/test_queues.py`.
+TESTS  ?= tests
+
 test: $(STAMP)
-	$(PY) -m pytest tests
+	$(PY) -m pytest $(TESTS)
+
+# The queue, process and pickling tests on each Python from 3.10 to 3.13 (each in .venv-3.X, found by
+# .ci/python-for), then once more with the compiled paths off (GPUSHARE_NATIVE=0).
+MATRIX_PYTHONS ?= 3.10 3.11 3.12 3.13
+MATRIX_TESTS   ?= tests/test_queue_edges.py tests/test_queues.py tests/test_queue_native.py \
+	tests/test_queue_chaos.py tests/test_stdin_script.py tests/test_process_args.py tests/test_pipes.py
+.PHONY: test-matrix
+test-matrix:
+	@for v in $(MATRIX_PYTHONS); do \
+		py=$$(.ci/python-for $$v) || exit 1; \
+		echo "== Python $$v ($$py)"; \
+		$(MAKE) --no-print-directory test PYTHON=$$py VENV=.venv-$$v TESTS="$(MATRIX_TESTS)" || exit 1; \
+	done
+	@echo "== the compiled paths off (GPUSHARE_NATIVE=0)"
+	GPUSHARE_NATIVE=0 $(MAKE) --no-print-directory test TESTS="$(MATRIX_TESTS)"
 
 # CPython's own multiprocessing tests against gpushare (docs/multiprocessing.md); skips, exit 0,
 # where this Python has no `test` package.

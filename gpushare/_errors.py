@@ -25,6 +25,7 @@ __all__ = [
     "NoDeviceError",
     "OutOfMemoryError",
     "OwnerGoneError",
+    "ReentrantCallError",
     "RingClosedError",
     "StartMethodError",
     "TensorSetClosedError",
@@ -149,6 +150,14 @@ class WaitTimeoutError(GpushareError, TimeoutError):
 
     A ring's ``acquire()``, ``publish()`` or ``get()``, a loader's next batch,
     a tensor set's ``publish()``, ``draft()`` or ``wait()``.
+    """
+
+
+class ReentrantCallError(GpushareError, RuntimeError):
+    """A queue call from a signal handler that interrupted its own thread inside a call on the
+    same queue, where it would have to wait for that thread: a ``get()``, or a ``put()`` on a
+    bounded queue (an unbounded queue's ``put()`` works from a handler). The interrupted call
+    goes on unharmed; set a flag in the handler and make the call from the main code instead.
     """
 
 

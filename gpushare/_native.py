@@ -162,12 +162,12 @@ def _build(source: bytes, path_of_source: str, stem: str, libraries: tuple[str, 
 
 
 def region_ops(
-    start: Any, cap: int, spill_over: int, header: int, words: tuple[int, int, int, int],
+    start: Any, cap: int, spill_over: int, header: int, words: tuple[int, int, int, int, int],
     copies: tuple[tuple[int, int], tuple[int, int]], locks: tuple[int, int],
 ) -> Any:  # fmt: skip
     """The C calls for a region whose mapping begins at ``start`` (a ctypes object exported
     from the mapping, kept so that the mapping outlives the calls; offsets as ``_queues``
-    lays the region out): an object whose ``put(payload, kind, task, maxsize, pending)``
+    lays the region out): an object whose ``put(payload, kind, task, maxsize)``
     answers as ``Region.try_put`` does or PYTHON, and whose ``get()`` answers ``(kind,
     payload)``, EMPTY or PYTHON. None where they cannot be used."""
     global why_not

@@ -18,6 +18,7 @@ import io
 import os
 import pickle
 import sys
+import threading
 import types
 import weakref
 from multiprocessing import reduction as _mp_reduction
@@ -67,9 +68,21 @@ def _main_module_reimported() -> Any:
     if name is not None:
         return None if name == "__main__" or name.endswith(".__main__") else main
     path = getattr(main, "__file__", None)
-    if path is None or os.path.splitext(os.path.basename(path))[0] == "ipython":
+    if path is None or os.path.splitext(os.path.basename(path))[0] == "ipython" or _unreadable_main(main):
         return None
     return main
+
+
+def _unreadable_main(main: Any) -> bool:
+    """Whether the main module came from no file a child could run again: a script fed on
+    standard input (``python - <<EOF``), whose ``__file__`` is ``'<stdin>'``."""
+    path = getattr(main, "__file__", None)
+    if not path or getattr(getattr(main, "__spec__", None), "name", None) is not None:
+        return False
+    return not os.path.isfile(path)
+
+
+_hiding_main = threading.Lock()
 
 
 def _in_main(main: Any, obj: Any) -> bool:
@@ -487,7 +500,19 @@ class GpuProcessMixin(BaseProcess):
             )
         if isinstance(self._device, int) and method != "fork":  # fork: loading the driver here would break the child
             _check_device(self._device)
-        super().start()
+        main: Any = sys.modules.get("__main__")
+        if method != "fork" and _unreadable_main(main):
+            # A child cannot run '<stdin>' again (multiprocessing's would die with FileNotFoundError, and a
+            # Pool would replace it forever): it starts as from an interactive session instead, and the
+            # script's functions and classes travel by value.
+            with _hiding_main:
+                path = main.__dict__.pop("__file__")
+                try:
+                    super().start()
+                finally:
+                    main.__file__ = path
+        else:
+            super().start()
         if method != "fork":
             _spawned.add(self)
 

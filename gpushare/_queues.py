@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import errno
 import fcntl
 import mmap
 import os
@@ -38,7 +39,7 @@ from multiprocessing import context, queues, util
 from multiprocessing.reduction import DupFd, ForkingPickler
 
 from ._buffer import QUEUE_HEAD, Buffer, from_queue_pickle, queue_pickle
-from ._errors import OwnerGoneError
+from ._errors import OwnerGoneError, ReentrantCallError
 from ._native import EMPTY as NATIVE_EMPTY
 from ._native import PYTHON as NATIVE_PYTHON
 from ._native import region_ops
@@ -59,11 +60,16 @@ _BUFFER_HEAD = QUEUE_HEAD
 # -- the region: records, two locks, futex wake-ups (the protocol: docs/design.md, "Queues") ----
 
 RING_BYTES = 1 << 20  # the ring's bytes per queue; pages are touched only as messages pass
-MAGIC = b"GSQ4"
+MAGIC = b"GSQ5"
 RING_AT = struct.Struct("<Q")  # at byte 8: the ring's size (attachers map the header and the ring only)
 # Each side's words and copies on cache lines of their own: a put and a get write no line in common.
 PSEQ, CSEQ = 64, 128
 GET_WAITERS, PUT_WAITERS, JOIN_WAITERS = 192, 196, 200  # written only by those about to sleep
+# Messages every process holds in its backlog, counted when put() accepted them and uncounted when
+# written (8 bytes, under the producers' lock): maxsize and qsize() count them, whoever holds them.
+BACKLOGGED = 208
+SPILL_END = 216  # where the next spilled payload goes (8 bytes, under the producers' lock); 0: past the ring
+_SEQ = struct.Struct("<Q")
 COPY = struct.Struct("<QQQQQ")  # seq, then three fields, then seq again
 P_AT = (256, 296)
 C_AT = (384, 424)
@@ -74,14 +80,14 @@ SPILL = struct.Struct("<QQ")  # a spilled payload's place in the file: offset, l
 PAGE = mmap.PAGESIZE
 KIND_DATA, KIND_WRAP, KIND_SPILL = 0, 1, 2
 WRAP_RECORD = RECORD.pack(0, KIND_WRAP)
-FULL, NO_ROOM = 1, 2  # try_put's answers besides 0 (written)
+FULL, NO_ROOM, BUSY = 1, 2, 3  # try_put's answers besides 0 (written)
 WAKE_ALL = 0x7FFFFFFF
 
 # -- libc: futex and robust mutexes (Linux), with fallbacks ---------------------------------------
 
 _SYS_FUTEX = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98}.get(os.uname().machine.lower())
 FUTEX_WAIT, FUTEX_WAKE = 0, 1  # not _PRIVATE: the word is shared between processes
-EBUSY, EOWNERDEAD = 16, 130
+EBUSY, EOWNERDEAD, ETIMEDOUT, EDEADLK = errno.EBUSY, errno.EOWNERDEAD, errno.ETIMEDOUT, errno.EDEADLK
 
 
 class _Timespec(ctypes.Structure):
@@ -119,7 +125,13 @@ if _blocking is not None and _SYS_FUTEX is not None and hasattr(_blocking, "sysc
 FUTEX = _syscall is not None
 ROBUST = _blocking is not None and all(
     hasattr(_blocking, name)
-    for name in ("pthread_mutexattr_setrobust", "pthread_mutexattr_setpshared", "pthread_mutex_consistent")
+    for name in (
+        "pthread_mutexattr_setrobust",
+        "pthread_mutexattr_setpshared",
+        "pthread_mutexattr_settype",
+        "pthread_mutex_consistent",
+        "pthread_mutex_timedlock",
+    )
 )
 POLL_SLEEP = 0.0005  # the fallback's sleep between looks
 #: Each side reads the other's state without its lock, which relies on stores becoming visible
@@ -127,8 +139,6 @@ POLL_SLEEP = 0.0005  # the fallback's sleep between looks
 #: release and acquire order every access, and nothing is read without it that matters.
 #: GPUSHARE_QUEUE_ONE_LOCK=1 selects it on x86-64 too (tests run it so); every user must agree.
 ONE_LOCK = os.environ.get("GPUSHARE_QUEUE_ONE_LOCK") == "1" or os.uname().machine.lower() not in ("x86_64", "amd64")
-if ROBUST:
-    _trylock, _unlock = _quick.pthread_mutex_trylock, _quick.pthread_mutex_unlock
 _get_ident = threading.get_ident
 
 
@@ -156,6 +166,9 @@ def _init_mutex(addr: int) -> None:
         lambda: _blocking.pthread_mutexattr_init(attr),
         lambda: _blocking.pthread_mutexattr_setpshared(attr, 1),  # PTHREAD_PROCESS_SHARED
         lambda: _blocking.pthread_mutexattr_setrobust(attr, 1),  # PTHREAD_MUTEX_ROBUST
+        # ERRORCHECK: a thread locking what it holds gets EDEADLK (a signal handler's re-entry,
+        # told apart), and unlocking what it does not hold gets EPERM (harmless).
+        lambda: _blocking.pthread_mutexattr_settype(attr, 2),  # PTHREAD_MUTEX_ERRORCHECK
         lambda: _blocking.pthread_mutex_init(ctypes.c_void_p(addr), attr),
     ):
         err = call()
@@ -164,64 +177,129 @@ def _init_mutex(addr: int) -> None:
     _blocking.pthread_mutexattr_destroy(attr)
 
 
-class _RobustLock:
-    """A robust process-shared pthread mutex in the region: the owner's death unlocks it."""
+#: A wait for a queue's lock goes in slices this long: between them, signal handlers run
+#: (Ctrl-C ends the wait) and the caller's deadline is looked at.
+LOCK_SLICE = 0.05
 
-    __slots__ = ("addr", "arg", "holder")
+
+class _RobustLock:
+    """A robust, error-checking process-shared pthread mutex in the region: the owner's death
+    unlocks it.
+
+    ``holder`` (the thread of this process that takes or holds it) is set before the mutex
+    is taken, and ``inside`` (the same thread) once the caller's ``try:`` is entered: a call
+    interrupted in between (by a signal handler's exception) leaves ``holder`` without
+    ``inside``, and :meth:`unleak` lets go of it; a thread that finds ``inside`` its own is
+    a signal handler's call re-entering (:class:`ReentrantCallError`)."""
+
+    __slots__ = ("addr", "arg", "holder", "inside")
 
     def __init__(self, addr: int) -> None:
         self.addr = addr
         self.arg = ctypes.c_void_p(addr)
-        self.holder = 0  # the thread of this process holding it, else 0
+        self.holder = 0
+        self.inside = 0
 
-    def acquire(self) -> None:
+    def acquire(self, deadline: float | None = None) -> bool:
+        """Take the lock (True), or False once ``deadline`` (``time.monotonic()``; None: none)
+        passed with another holder. A dead holder's lock is taken over."""
+        me = _get_ident()
+        if self.inside == me:
+            raise ReentrantCallError("this thread is inside a call on this queue already")
+        self.holder = me
         err = _quick.pthread_mutex_trylock(self.arg)
-        if err:
-            self.wait(err)
-        self.holder = threading.get_ident()
-
-    def wait(self, err: int) -> None:
-        """After a trylock that did not simply succeed: wait for the lock, or take over a dead holder's."""
         if err == EBUSY:
-            err = _blocking.pthread_mutex_lock(self.arg)  # lets go of the GIL while it waits
+            err = self._wait(deadline)
         if err == EOWNERDEAD:
             # Its holder died; what it left is the last commit (see the module docstring).
             _blocking.pthread_mutex_consistent(self.arg)
         elif err:
+            self.holder = 0
+            if err == ETIMEDOUT:
+                return False
             raise OSError(err, f"the queue's lock failed: {os.strerror(err)}")
+        self.holder = me
+        return True
+
+    def _wait(self, deadline: float | None) -> int:
+        ts = _Timespec()
+        while True:
+            left = LOCK_SLICE if deadline is None else min(LOCK_SLICE, deadline - time.monotonic())
+            until = time.time() + max(0.0, left)
+            ts.tv_sec, ts.tv_nsec = int(until), int((until % 1.0) * 1e9)
+            err = _blocking.pthread_mutex_timedlock(self.arg, ctypes.byref(ts))  # without the GIL
+            if err == EDEADLK:  # this thread has it: left by an interrupted call, or a re-entry
+                if self.inside == _get_ident():
+                    raise ReentrantCallError("this thread is inside a call on this queue already")
+                return 0
+            if err != ETIMEDOUT or left <= 0:
+                return int(err)
+            self.holder = _get_ident()  # a re-entering handler's call may have cleared it
 
     def release(self) -> None:
         self.holder = 0
+        self.inside = 0
         _quick.pthread_mutex_unlock(self.arg)
+
+    def unleak(self) -> None:
+        """After an exception in a call of this thread: the lock it was taking when interrupted
+        is let go (an unlock of a mutex it does not hold answers EPERM, harmless)."""
+        me = _get_ident()
+        if self.holder == me and self.inside != me:
+            self.release()
 
 
 class _RecordLock:
     """The fallback: a POSIX record lock on one byte of the file (the kernel drops it when its
     process dies), behind a thread lock (record locks belong to a process, not a thread)."""
 
-    __slots__ = ("fd", "holder", "offset", "tlock")
+    __slots__ = ("fd", "holder", "inside", "offset", "tlock")
 
     def __init__(self, fd: int, offset: int) -> None:
         self.fd = fd
         self.offset = offset
         self.tlock = threading.Lock()
         self.holder = 0
+        self.inside = 0
 
-    def acquire(self) -> None:
-        self.tlock.acquire()
+    def acquire(self, deadline: float | None = None) -> bool:
+        if self.holder == _get_ident():
+            if self.inside == self.holder:
+                raise ReentrantCallError("this thread is inside a call on this queue already")
+            self.release()  # left by an interrupted call of this thread
+        timeout = -1 if deadline is None else max(0.0, deadline - time.monotonic())
+        if not self.tlock.acquire(True, timeout):
+            return False
         try:
-            fcntl.lockf(self.fd, fcntl.LOCK_EX, 1, self.offset)
+            while True:
+                try:
+                    fcntl.lockf(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, self.offset)
+                    break
+                except OSError as exc:
+                    if exc.errno not in (errno.EACCES, errno.EAGAIN):
+                        raise
+                if deadline is not None and time.monotonic() >= deadline:
+                    self.tlock.release()
+                    return False
+                time.sleep(POLL_SLEEP)
         except BaseException:
             self.tlock.release()
             raise
-        self.holder = threading.get_ident()
+        self.holder = _get_ident()
+        return True
 
     def release(self) -> None:
         self.holder = 0
+        self.inside = 0
         try:
             fcntl.lockf(self.fd, fcntl.LOCK_UN, 1, self.offset)
         finally:
             self.tlock.release()
+
+    def unleak(self) -> None:
+        me = _get_ident()
+        if self.holder == me and self.inside != me:
+            self.release()
 
     def after_fork(self) -> None:
         self.tlock = threading.Lock()  # another thread may have held it at fork
@@ -250,15 +328,72 @@ def _close_quietly(fd: int) -> None:
         pass
 
 
+# -- who holds a queue: open file description locks (the protocol: docs/design.md, "Queues") ------
+
+HOLD_BYTE = 2  # each user holds a read lock on this byte of the region's file (0 and 1: the fallback's locks)
+_FLOCK = struct.Struct("hh4xqqi4x")  # struct flock on Linux: type, whence, start, len, pid
+_OFD_SETLK = getattr(fcntl, "F_OFD_SETLK", None)
+_OFD_GETLK = getattr(fcntl, "F_OFD_GETLK", None)
+
+
+def _hold(fd: int) -> int:
+    """A description of the region's file of this process's own, holding a read lock on
+    HOLD_BYTE (the lock is the description's: it lasts while any fd of it is open, and the
+    kernel drops it with the process); -1 where such locks do not exist."""
+    if _OFD_SETLK is None:
+        return -1
+    try:
+        own = os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        return -1
+    try:
+        fcntl.fcntl(own, _OFD_SETLK, _FLOCK.pack(fcntl.F_RDLCK, os.SEEK_SET, HOLD_BYTE, 1, 0))
+    except OSError:
+        os.close(own)
+        return -1
+    return own
+
+
+class _Fds:
+    """A region's two fds in this process: the file, and the description whose lock says
+    that this process holds the queue (``hold``, -1 once let go or where there is none).
+    Closed by the region's finalizer, never by interpreter exit: a backlog still writes then."""
+
+    __slots__ = ("fd", "hold")
+
+    def __init__(self, fd: int, hold: int) -> None:
+        self.fd, self.hold = fd, hold
+
+    def let_go(self) -> None:
+        """This process will put no more (it closed the queue, exits, or dropped it): its hold
+        ends. Closing, not unlocking: a child still starting may share the description."""
+        hold, self.hold = self.hold, -1
+        if hold >= 0:
+            _close_quietly(hold)
+
+    def close(self) -> None:
+        self.let_go()
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            _close_quietly(fd)
+
+
 class Region:
     """One process's view of a queue's region: the fd, the mapping, the two locks."""
 
-    def __init__(self, fd: int | None = None, ring_bytes: int = RING_BYTES) -> None:
+    def __init__(self, fd: int | None = None, ring_bytes: int = RING_BYTES, inherited_hold: int = -1) -> None:
         created = fd is None
         if fd is None:
             fd = _new_file(HEADER + ring_bytes)
         self.fd = fd
-        self._close_fd = weakref.finalize(self, _close_quietly, fd)  # the mapping keeps a dup of its own
+        self.fds = _Fds(fd, _hold(fd))
+        # The hold a spawning parent passed along (``inherited_hold``) kept the queue held while this
+        # child started; its own is taken now.
+        if inherited_hold >= 0:
+            _close_quietly(inherited_hold)
+        self._close_fds = weakref.finalize(self, self.fds.close)  # the mapping keeps a dup of its own
+        self._close_fds.atexit = False  # at exit, a backlog may still write through the fd
+        _regions.add(self)
         if created:
             self.mm = mm = mmap.mmap(fd, HEADER + ring_bytes)
             mm[0:4] = MAGIC
@@ -293,26 +428,42 @@ class Region:
         self.native: Any = None
         if ROBUST:
             self.native = region_ops(
-                start, self.cap, self.spill_over, HEADER, (PSEQ, CSEQ, GET_WAITERS, PUT_WAITERS),
+                start, self.cap, self.spill_over, HEADER, (PSEQ, CSEQ, GET_WAITERS, PUT_WAITERS, BACKLOGGED),
                 (P_AT, C_AT), (P_MUTEX, P_MUTEX if ONE_LOCK else C_MUTEX),
             )  # fmt: skip
-        # This process's last commit on each side, as (seq, the three fields): while the side's
-        # seq still reads so, the state is known without reading it. seq -1: none yet.
-        self.p_mine: tuple[int, int, int, int] = (-1, 0, 0, 0)
-        self.c_mine: tuple[int, int, int, int] = (-1, 0, 0, 0)
-        self.head_seen = 0  # the consumers' head as last read: stale is safe (less room)
-        self.tail_seen = 0  # the producers' tail as last read: stale is safe (fewer messages)
 
     def after_fork(self) -> None:
+        """In a forked child: its own locks' state, and a hold of its own (the parent's description,
+        inherited, is closed here: it stays the parent's)."""
         for lock in (self.plock, self.clock):
             if isinstance(lock, _RecordLock):
                 lock.after_fork()
             else:
                 lock.holder = 0
+        fds = self.fds
+        if fds.hold >= 0:
+            fds.let_go()
+            fds.hold = _hold(fds.fd)
+
+    def let_go(self) -> None:
+        """This process will put no more on this queue: other processes may learn that it let go."""
+        self.fds.let_go()
+
+    def held_elsewhere(self) -> bool:
+        """Whether some other process holds the queue (may still put); True where that cannot be known."""
+        hold = self.fds.hold
+        if hold < 0 or _OFD_GETLK is None:
+            return True
+        try:
+            got = fcntl.fcntl(hold, _OFD_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, HOLD_BYTE, 1, 0))
+        except OSError:
+            return True
+        return bool(_FLOCK.unpack(got)[0] != fcntl.F_UNLCK)
 
     # -- the two sides' states
 
     def _current(self, seq: Any, at: tuple[int, int]) -> tuple[int, int, int, int, int]:
+        """A side's state, read under its lock (nothing changes it meanwhile)."""
         return COPY.unpack_from(self.mm, at[seq.value & 1])  # type: ignore[return-value]
 
     def _commit(self, seq: Any, at: tuple[int, int], a: int, b: int, c: int) -> None:
@@ -321,11 +472,15 @@ class Region:
         seq.value = new  # the commit
 
     def _snapshot(self, seq: Any, at: tuple[int, int]) -> tuple[int, int, int]:
-        """The other side's state, read without its lock."""
+        """The other side's state, read without its lock: the copy's closing sequence number
+        first, then the copy. A writer writes the opening one first and the closing one last,
+        so a copy being rewritten under the reader shows two numbers that differ."""
         mm = self.mm
         while True:
-            s1, a, b, c, s2 = COPY.unpack_from(mm, at[seq.value & 1])
-            if s1 == s2:
+            where = at[seq.value & 1]
+            last = _SEQ.unpack_from(mm, where + 32)[0]
+            first, a, b, c, _ = COPY.unpack_from(mm, where)
+            if first == last:
                 return a, b, c
 
     def producers(self) -> tuple[int, int, int]:
@@ -336,80 +491,102 @@ class Region:
         """(head, messages taken, tasks done), read without the lock."""
         return self._snapshot(self.cseq, C_AT)
 
+    def backlogged(self) -> int:
+        return int(_SEQ.unpack_from(self.mm, BACKLOGGED)[0])
+
     # -- producers
 
-    def try_put(self, payload: bytes, kind: int, task: int, maxsize: int, pending: int) -> int:
-        """Write one record and commit it (0), or FULL (``maxsize`` messages, counting this
-        process's ``pending``) or NO_ROOM (not in the ring now); ``task``: count a task. A
-        payload over ``spill_over`` goes to the spill area, and its record says where."""
+    def try_put(self, payload: bytes, kind: int, task: int, maxsize: int, deadline: float | None = None) -> int:
+        """Write one record and commit it (0), or FULL (``maxsize`` messages, counting every
+        process's backlog), NO_ROOM (not in the ring now) or BUSY (the lock not had by
+        ``deadline``); ``task``: count a task. The payload fits the ring (see :meth:`spill`)."""
         native = self.native
         if native is not None:
-            done = native.put(payload, kind, task, maxsize, pending)
+            done = native.put(payload, kind, task, maxsize)
             if done != NATIVE_PYTHON:
                 return done  # 0, FULL or NO_ROOM
-        lock, mm, pseq = self.plock, self.mm, self.pseq
-        if ROBUST:
-            err = _trylock(lock.arg)
-            if err:
-                lock.wait(err)
-            lock.holder = _get_ident()
-        else:
-            lock.acquire()
+        return self._put_locked(payload, kind, task, maxsize, 0, deadline)
+
+    def reserve(self, task: int, maxsize: int, deadline: float | None = None) -> int:
+        """Count a message bound for this process's backlog (0), or FULL, or BUSY; ``task``:
+        count a task too. Counted here, before it is written, so that ``maxsize``, ``qsize()``
+        and ``join()`` see it in every process."""
+        lock = self.plock
+        if not lock.acquire(deadline):
+            return BUSY
         try:
-            seq = pseq.value
-            if seq == self.p_mine[0]:  # this process made the last commit: no need to read it
-                seq, tail, nput, tasks = self.p_mine
-            else:
-                _, tail, nput, tasks, _ = COPY.unpack_from(mm, P_AT[seq & 1])
-            if maxsize and nput + pending - self.consumers()[1] >= maxsize:
+            lock.inside = lock.holder
+            _, tail, nput, tasks, _ = self._current(self.pseq, P_AT)
+            waiting = self.backlogged()
+            if maxsize and nput + waiting - self.consumers()[1] >= maxsize:
+                return FULL
+            _SEQ.pack_into(self.mm, BACKLOGGED, waiting + 1)
+            if task:
+                self._commit(self.pseq, P_AT, tail, nput, tasks + task)
+        finally:
+            lock.release()
+        return 0
+
+    def put_reserved(self, payload: bytes, kind: int) -> int:
+        """Write a message :meth:`reserve` counted (0), uncounting it in the same commit, or NO_ROOM."""
+        return self._put_locked(payload, kind, 0, 0, 1, None)
+
+    def _put_locked(self, payload: bytes, kind: int, task: int, maxsize: int, reserved: int,
+                    deadline: float | None) -> int:  # fmt: skip
+        lock, mm, pseq = self.plock, self.mm, self.pseq
+        if not lock.acquire(deadline):
+            return BUSY
+        try:
+            lock.inside = lock.holder
+            seq, tail, nput, tasks, _ = self._current(pseq, P_AT)
+            waiting = self.backlogged()
+            if maxsize and nput + waiting - self.consumers()[1] >= maxsize:
                 return FULL
             cap = self.cap
             size = len(payload)
-            spill = size > self.spill_over
-            if spill:
-                size = SPILL.size
             need = (size + 15) & ~7  # the record's 8 bytes and the payload, 8-aligned
             at = tail % cap
             skip = cap - at if cap - at < need else 0
-            if (tail - self.head_seen) + skip + need > cap:
-                self.head_seen = self.consumers()[0]
-                if (tail - self.head_seen) + skip + need > cap:
-                    return NO_ROOM
-            if spill:
-                payload, kind = self._spill(payload), KIND_SPILL
+            if (tail - self.consumers()[0]) + skip + need > cap:
+                return NO_ROOM
             if skip:
                 mm[HEADER + at : HEADER + at + 8] = WRAP_RECORD
                 at = 0
             start = HEADER + at
             mm[start : start + 8 + size] = RECORD.pack(size, kind) + payload
+            if reserved:
+                _SEQ.pack_into(mm, BACKLOGGED, waiting - reserved)
             seq = (seq + 1) & 0xFFFFFFFF
-            tail, nput, tasks = tail + skip + need, nput + 1, tasks + task
-            COPY.pack_into(mm, P_AT[seq & 1], seq, tail, nput, tasks, seq)
+            COPY.pack_into(mm, P_AT[seq & 1], seq, tail + skip + need, nput + 1, tasks + task, seq)
             pseq.value = seq  # the commit
-            self.p_mine = (seq, tail, nput, tasks)
         finally:
-            if ROBUST:
-                lock.holder = 0
-                _unlock(lock.arg)
-            else:
-                lock.release()
+            lock.release()
         if self.get_waiters.value:  # read after the unlock, which orders it after the commit
             _futex_wake(self.pseq_addr, 1)
         return 0
 
-    def _spill(self, payload: bytes) -> bytes:
-        """Write ``payload`` at the file's end, page-aligned (under the producers' lock, which
-        makes the end a bump pointer every producer shares); its SPILL record. A producer
-        killed before its commit leaves those pages to the region's end."""
-        fd = self.fd
-        at = -(-max(os.fstat(fd).st_size, HEADER + self.cap) // PAGE) * PAGE
+    def spill(self, payload: bytes, deadline: float | None = None) -> bytes | None:
+        """Write a payload too large for the ring past the ring's end, page-aligned, and give
+        the record that names it (None: the lock not had by ``deadline``). Only the place is
+        taken under the producers' lock; the write is not, so a producer stopped inside a
+        large write holds up nobody. A producer killed before its record is committed leaves
+        those pages to the region's end."""
+        lock = self.plock
+        if not lock.acquire(deadline):
+            return None
+        try:
+            lock.inside = lock.holder
+            at = max(_SEQ.unpack_from(self.mm, SPILL_END)[0], -(-(HEADER + self.cap) // PAGE) * PAGE)
+            _SEQ.pack_into(self.mm, SPILL_END, at + -(-len(payload) // PAGE) * PAGE)
+        finally:
+            lock.release()
         view = memoryview(payload)
         done = 0
         try:
             while done < len(view):
-                done += os.pwrite(fd, view[done:], at + done)
+                done += os.pwrite(self.fd, view[done:], at + done)
         except BaseException:
-            self.punch(at, done)
+            self.punch(at, len(payload))
             raise
         return SPILL.pack(at, len(payload))
 
@@ -432,19 +609,11 @@ class Region:
         if _fallocate is not None and length > 0:
             _fallocate(self.fd, PUNCH_HOLE, at, -(-length // PAGE) * PAGE)
 
-    def add_task(self) -> None:
-        """Count a task whose message waits in this process's backlog."""
-        self.plock.acquire()
-        try:
-            _, tail, nput, tasks, _ = self._current(self.pseq, P_AT)
-            self._commit(self.pseq, P_AT, tail, nput, tasks + 1)
-        finally:
-            self.plock.release()
-
     # -- consumers
 
-    def try_get(self) -> tuple[int, bytes] | None:
-        """Take the oldest record and commit (its kind and payload), or None when empty."""
+    def try_get(self, deadline: float | None = None) -> tuple[int, bytes] | None:
+        """Take the oldest record and commit (its kind and payload), or None when empty, or
+        when the lock was not had by ``deadline``."""
         native = self.native
         if native is not None:
             got = native.get()
@@ -452,30 +621,16 @@ class Region:
                 return got
             if got == NATIVE_EMPTY:
                 return None
+        if self.consumers()[0] >= self.producers()[0]:  # empty, as far as can be seen without the lock
+            return None
         lock, mm, cseq = self.clock, self.mm, self.cseq
-        # Empty, as far as can be seen without the lock? (A stale tail only says so sooner.)
-        mine = self.c_mine
-        if (mine[1] if cseq.value == mine[0] else self.consumers()[0]) >= self.tail_seen:
-            self.tail_seen = self.producers()[0]
-            if (mine[1] if cseq.value == mine[0] else self.consumers()[0]) >= self.tail_seen:
-                return None
-        if ROBUST:
-            err = _trylock(lock.arg)
-            if err:
-                lock.wait(err)
-            lock.holder = _get_ident()
-        else:
-            lock.acquire()
+        if not lock.acquire(deadline):
+            return None
         try:
-            seq = cseq.value
-            if seq == self.c_mine[0]:  # this process made the last commit: no need to read it
-                seq, head, nget, done = self.c_mine
-            else:
-                _, head, nget, done, _ = COPY.unpack_from(mm, C_AT[seq & 1])
-            if head >= self.tail_seen:
-                self.tail_seen = self.producers()[0]
-                if head >= self.tail_seen:
-                    return None
+            lock.inside = lock.holder
+            seq, head, nget, done, _ = self._current(cseq, C_AT)
+            if head >= self.producers()[0]:
+                return None
             cap = self.cap
             at = head % cap
             length, kind = RECORD.unpack_from(mm, HEADER + at)
@@ -486,29 +641,25 @@ class Region:
             start = HEADER + at + 8
             payload = mm[start : start + length]
             seq = (seq + 1) & 0xFFFFFFFF
-            head, nget = head + ((length + 15) & ~7), nget + 1
-            COPY.pack_into(mm, C_AT[seq & 1], seq, head, nget, done, seq)
+            COPY.pack_into(mm, C_AT[seq & 1], seq, head + ((length + 15) & ~7), nget + 1, done, seq)
             cseq.value = seq  # the commit
-            self.c_mine = (seq, head, nget, done)
         finally:
-            if ROBUST:
-                lock.holder = 0
-                _unlock(lock.arg)
-            else:
-                lock.release()
+            lock.release()
         if self.put_waiters.value:
             _futex_wake(self.cseq_addr, WAKE_ALL)
         return kind, payload
 
     def task_done(self) -> None:
-        self.clock.acquire()
+        lock = self.clock
+        lock.acquire()
         try:
+            lock.inside = lock.holder
             _, head, nget, done, _ = self._current(self.cseq, C_AT)
             if done >= self.producers()[2]:
                 raise ValueError("task_done() called too many times")
             self._commit(self.cseq, C_AT, head, nget, done + 1)
         finally:
-            self.clock.release()
+            lock.release()
         if self.join_waiters.value:
             _futex_wake(self.cseq_addr, WAKE_ALL)
 
@@ -516,7 +667,8 @@ class Region:
         return int(self.producers()[2] - self.consumers()[2])
 
     def count(self) -> int:
-        return int(self.producers()[1] - self.consumers()[1])
+        """Messages put and not yet taken, those waiting in any process's backlog included."""
+        return int(self.producers()[1] - self.consumers()[1] + self.backlogged())
 
     def empty(self) -> bool:
         return bool(self.consumers()[0] >= self.producers()[0])
@@ -528,9 +680,15 @@ class Region:
         lock = self.clock if side == "c" else self.plock
         lock.acquire()
         try:
+            lock.inside = lock.holder
             word.value = (word.value + delta) & 0xFFFFFFFF
         finally:
             lock.release()
+
+    def unleak(self) -> None:
+        """After an exception: a lock this thread was taking when interrupted is let go."""
+        self.plock.unleak()
+        self.clock.unleak()
 
     def wait_for_put(self, value: int, timeout: float) -> None:
         _futex_wait(self.pseq_addr, self.pseq, value, timeout)
@@ -547,7 +705,7 @@ class Region:
             self.mm.close()
         except BufferError:  # a view still exported: leave the mapping to the collector
             pass
-        self._close_fd()
+        self._close_fds()
 
 
 # -- the queues -------------------------------------------------------------------------------
@@ -583,17 +741,9 @@ def _restore(data: bytes | bytearray) -> Any:
     return _loads(data)
 
 
-def _process_alive(pid: int) -> bool:
-    from ._service import process_alive
-
-    return process_alive(pid)
-
-
-WATCH_INTERVAL = 0.5  # seconds a blocking get() waits between checks that the creator lives
-EXIT_GRACE = 0.5  # after the end-of-queue marker, seconds get() waits for items other processes put
-# The end-of-queue marker goes out at exit after the Manager's shutdown (priority 12) and
-# before the backlog's close (CLOSE_PRIORITY), whose thread then writes it behind the rest.
-EXIT_PRIORITY = 10
+WATCH_INTERVAL = 0.5  # seconds a blocking get() waits between looks whether any other process holds the queue
+# At exit, a process's queues let go of the queue (once its backlog is written) after the Manager's
+# shutdown (priority 12) and before the torch drop-in's owner waits for its receivers (CLOSE_PRIORITY - 1).
 CLOSE_PRIORITY = 9
 # Before a get() sleeps it looks at the ring, yielding the CPU between looks, for at most
 # SPIN_SECONDS, and only while this handle's previous wait was shorter than that
@@ -607,50 +757,47 @@ def _no_yield() -> None:
     time.sleep(0)
 
 
-class _CreatorExited:
-    """The end-of-queue marker: the creating process exited after putting what came before."""
-
-    __slots__ = ("pid",)
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-
-    def __reduce__(self) -> tuple[Any, tuple[int]]:
-        return (_CreatorExited, (self.pid,))
-
-
 class _Backlog:
-    """One process's messages that found no room in the ring, oldest first, and the thread
-    that writes them as room frees (multiprocessing's feeder, for the overflow only).
+    """One process's messages that were not written at once, oldest first, and the thread
+    that writes them (multiprocessing's feeder, for the overflow only). An item is
+    ``(data, kind, task, counted)``: ``counted`` once :meth:`Region.reserve` counted it (a
+    bounded queue's always are); an uncounted one (the lock was busy, or a signal handler's
+    put met its own thread's lock) is spilled and counted by the thread.
 
-    Holds no reference to its queue: a queue collected with a backlog still delivers it.
+    Holds no reference to its queue: a queue collected with a backlog still delivers it. Once
+    closed and written out, it lets go of the region (:meth:`Region.let_go`).
     """
 
-    __slots__ = ("__weakref__", "closing", "cond", "items", "region", "thread")
+    __slots__ = ("__weakref__", "closing", "cond", "items", "region", "thread", "writing")
 
     def __init__(self, region: Region) -> None:
         self.region = region
-        self.items: collections.deque[tuple[bytes, int]] = collections.deque()
-        self.cond = threading.Condition(threading.Lock())
+        self.items: collections.deque[tuple[bytes, int, int, bool]] = collections.deque()
+        # Reentrant: a signal handler's put() may push while its thread is inside push().
+        self.cond = threading.Condition(threading.RLock())
+        self.writing = threading.Lock()  # one writer at a time, should a re-entered push start a second
         self.closing = False
         self.thread: threading.Thread | None = None
 
-    def push(self, data: bytes, kind: int) -> bool:
+    def push(self, data: bytes, kind: int, task: int, counted: bool) -> bool:
         """Append; True when this started the thread."""
-        started = False
         with self.cond:
-            self.items.append((data, kind))
-            if self.thread is None or not self.thread.is_alive():
+            self.items.append((data, kind, task, counted))
+            started = self.thread is None or not self.thread.is_alive()
+            if started:
                 self.thread = threading.Thread(target=self._feed, name="QueueFeederThread", daemon=True)
                 self.thread.start()
-                started = True
             self.cond.notify()
         return started
 
     def close(self) -> None:
+        """No more pushes: the thread ends once it wrote everything, and the region is let go."""
         with self.cond:
             self.closing = True
+            idle = not self.items and (self.thread is None or not self.thread.is_alive())
             self.cond.notify()
+        if idle:
+            self.region.let_go()
 
     def join(self) -> None:
         thread = self.thread
@@ -659,21 +806,26 @@ class _Backlog:
 
     def _feed(self) -> None:
         region, items = self.region, self.items
-        while True:
-            with self.cond:
-                while not items and not self.closing:
-                    self.cond.wait()
-                if not items:
-                    return
-            data, kind = items[0]
+        with self.writing:
             while True:
-                seen = region.cseq.value  # before the try: a get after it wakes the wait below
-                if not region.try_put(data, kind, 0, 0, 0):
-                    items.popleft()
-                    break
-                region.count_waiter("p", region.put_waiters, 1)
-                region.wait_for_get(seen, WATCH_INTERVAL)
-                region.count_waiter("p", region.put_waiters, -1)
+                with self.cond:
+                    while not items and not self.closing:
+                        self.cond.wait()
+                    if not items:
+                        break
+                    data, kind, task, counted = items.popleft()
+                if not counted:
+                    if kind == KIND_DATA and len(data) > region.spill_over:
+                        data, kind = region.spill(data), KIND_SPILL  # type: ignore[assignment]
+                    region.reserve(task, 0)
+                while True:
+                    seen = region.cseq.value  # before the try: a get after it wakes the wait below
+                    if not region.put_reserved(data, kind):
+                        break
+                    region.count_waiter("p", region.put_waiters, 1)
+                    region.wait_for_get(seen, WATCH_INTERVAL)
+                    region.count_waiter("p", region.put_waiters, -1)
+        region.let_go()  # closing, and everything written
 
 
 def _finalize_close(backlog: _Backlog) -> None:
@@ -686,47 +838,28 @@ def _finalize_join(ref: Any) -> None:
         backlog.join()
 
 
-def _announce_exit(region: Region, backlog: _Backlog, maxsize: int, pid: int) -> None:
-    """The creator exits, or drops the queue: the marker goes behind everything it put.
-
-    A full bounded queue gets no marker (this must not block); its consumers
-    notice the creator's death by watching it instead. Nor does a queue collected while
-    this thread is inside its own put() (the lock is not reentrant).
-    """
-    if region.plock.holder == threading.get_ident():
-        return
-    _send(region, backlog, maxsize, pickle.dumps(_CreatorExited(pid), HIGHEST), False, None, 0)
+_live: weakref.WeakSet[Queue] = weakref.WeakSet()  # this process's queues, for a fork's child
+_regions: weakref.WeakSet[Region] = weakref.WeakSet()
 
 
-def _send(region: Region, backlog: _Backlog, maxsize: int, data: bytes, block: bool, timeout: float | None,
-          task: int) -> bool:  # fmt: skip
-    """Write one message, behind this process's backlog; False when a bounded queue stayed full."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while True:
-        seen = region.cseq.value  # before the try: a get after it wakes the wait below
-        if backlog.items:
-            answer = FULL if maxsize and region.count() + len(backlog.items) >= maxsize else NO_ROOM
-        else:
-            answer = region.try_put(data, KIND_DATA, task, maxsize, 0)
-            if not answer:
-                return True
-        if answer == NO_ROOM:  # no room in the ring now: the backlog's thread writes it later
-            if task:
-                region.add_task()
-            backlog.push(data, KIND_DATA)
-            return True
-        left = None if deadline is None else deadline - time.monotonic()
-        if not block or (left is not None and left <= 0):
-            return False
-        region.count_waiter("p", region.put_waiters, 1)
-        region.wait_for_get(seen, WATCH_INTERVAL if left is None else min(left, WATCH_INTERVAL))
-        region.count_waiter("p", region.put_waiters, -1)
+def _after_fork_in_child() -> None:
+    """Any fork (multiprocessing's or a bare ``os.fork()``): the child starts with empty backlogs
+    and no feeder of its parent's, and holds each queue with a hold of its own."""
+    for region in list(_regions):
+        region.after_fork()
+    for q in list(_live):
+        q._setup()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class Queue:
     """``multiprocessing.Queue`` over a shared-memory ring: ``put()`` pickles the item and
-    writes it into the ring itself (a thread only for what finds no room), and ``get()``
-    raises OwnerGoneError instead of waiting forever for a creator that is gone."""
+    writes it into the ring itself (a thread only for what is not written at once), and
+    ``get()`` raises OwnerGoneError instead of waiting forever once no other process holds
+    the queue."""
 
     _joinable = 0
     __class_getitem__: Any = classmethod(types.GenericAlias)
@@ -736,35 +869,42 @@ class Queue:
         self._region = Region()
         self._opid = os.getpid()
         self._setup()
+        util.register_after_fork(self, Queue._on_exit)
 
     def _setup(self) -> None:
         self._closed = False
         self._joincancelled = False
-        self._exit_checked = False  # put() looked whether this process must announce its exit
         self._spin = SpinPolicy(SPIN_SECONDS, adaptive=True)  # how a blocking get() waits
         self._backlog = _Backlog(self._region)
-        self._close: Any = None
+        self._put_any = False  # this process put on it (then it never decides that nobody can put)
         self._jointhread: Any = None
-        util.register_after_fork(self, Queue._after_fork)
+        self._close: Any = None
+        self._on_exit()
+        _live.add(self)
 
-    def _after_fork(self) -> None:
-        self._region.after_fork()
-        self._setup()
+    def _on_exit(self) -> None:
+        """At exit, or when collected: the backlog is written, then the queue is let go. Made
+        again once a child's bootstrap cleared the finalizers made while it unpickled its
+        arguments (multiprocessing's after-fork hooks run after that)."""
+        self._close = util.Finalize(self, _finalize_close, [self._backlog], exitpriority=CLOSE_PRIORITY)
 
     def __getstate__(self) -> tuple[Any, ...]:
         context.assert_spawning(self)
         # One fd passed per child, however often the child's pickle is made (gpushare's
         # dumps may pickle twice: its dry run, then ForkingPickler) or names the queue.
+        # The hold goes along so that the queue stays held until the child holds it itself.
         passed = vars(context.get_spawning_popen()).setdefault("_gpushare_queue_fds", {})
-        fd = self._region.fd
-        if fd not in passed:
-            passed[fd] = DupFd(fd)
-        return (self._maxsize, passed[fd], self._opid)
+        fds = self._region.fds
+        for fd in (fds.fd, fds.hold):
+            if fd >= 0 and fd not in passed:
+                passed[fd] = DupFd(fd)
+        return (self._maxsize, passed[fds.fd], passed.get(fds.hold), self._opid)
 
     def __setstate__(self, state: tuple[Any, ...]) -> None:
-        self._maxsize, fd, self._opid = state
-        self._region = Region(fd.detach())
+        self._maxsize, fd, hold, self._opid = state
+        self._region = Region(fd.detach(), inherited_hold=-1 if hold is None else hold.detach())
         self._setup()
+        util.register_after_fork(self, Queue._on_exit)
 
     # -- putting
 
@@ -772,33 +912,83 @@ class Queue:
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
         data = _pickle(obj)
-        region, backlog = self._region, self._backlog
-        if backlog.items or region.try_put(data, 0, self._joinable, self._maxsize, 0):
-            # Not written at once: behind this process's backlog, full, or no room.
-            had_thread = backlog.thread
-            if not _send(region, backlog, self._maxsize, data, block, timeout, self._joinable):
-                raise queue.Full
-            if backlog.thread is not had_thread:
-                self._watch_backlog()
-        if not self._exit_checked:
-            self._exit_checked = True
-            if self._opid == os.getpid():  # only the creator announces its exit
-                util.Finalize(
-                    self,
-                    _announce_exit,
-                    args=(self._region, backlog, self._maxsize, self._opid),
-                    exitpriority=EXIT_PRIORITY,
-                )
+        region = self._region
+        if not self._backlog.items and len(data) <= region.spill_over:
+            try:
+                if not region.try_put(data, KIND_DATA, self._joinable, self._maxsize, _NOW):
+                    self._put_any = True
+                    return
+            except ReentrantCallError:  # a signal handler's put, its thread inside a call on this queue
+                pass
+        self._put_slowly(data, block, timeout)
+
+    def _put_slowly(self, data: bytes, block: bool, timeout: float | None) -> None:
+        """Spill, wait for room in a bounded queue, or leave the message to the backlog."""
+        region, backlog, maxsize, task = self._region, self._backlog, self._maxsize, self._joinable
+        self._put_any = True
+        now = time.monotonic()
+        deadline = now if not block else None if timeout is None else now + max(0.0, timeout)
+        # How long to wait for the producers' lock: a bounded queue's put until its deadline; an
+        # unbounded one's a moment (LOCK_PATIENCE), then the backlog's thread waits instead.
+        patience = deadline if maxsize else now + LOCK_PATIENCE if block else _NOW
+        kind = KIND_DATA
+        try:
+            while True:
+                seen = region.cseq.value  # before the try: a get after it wakes the wait below
+                if len(data) > region.spill_over and kind == KIND_DATA:
+                    spilled = region.spill(data, patience)
+                    if spilled is None:  # the lock busy: the backlog's thread spills it, or Full
+                        answer = BUSY
+                    else:
+                        data, kind = spilled, KIND_SPILL
+                        continue
+                elif backlog.items:  # behind this process's backlog
+                    answer = region.reserve(task, maxsize, patience)
+                    if not answer:
+                        backlog.push(data, kind, task, True)
+                        break
+                else:
+                    answer = region.try_put(data, kind, task, maxsize, patience)
+                    if answer == NO_ROOM:
+                        answer = region.reserve(task, maxsize, patience)
+                        if not answer:
+                            backlog.push(data, kind, task, True)
+                            break
+                    if not answer:
+                        break
+                if answer == BUSY and not maxsize:
+                    # Unbounded: never wait for another process's lock (a stopped one may hold it);
+                    # the backlog's thread counts and writes it.
+                    backlog.push(data, kind, task, False)
+                    break
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise queue.Full
+                if answer == FULL:
+                    region.count_waiter("p", region.put_waiters, 1)
+                    region.wait_for_get(seen, WATCH_INTERVAL if left is None else min(left, WATCH_INTERVAL))
+                    region.count_waiter("p", region.put_waiters, -1)
+        except ReentrantCallError:
+            if maxsize:
+                raise ReentrantCallError(
+                    "put() on a bounded queue was called by a signal handler while its thread was inside a "
+                    "call on the same queue; it cannot wait for its own thread. Set a flag in the handler "
+                    "and put from the main code, or use an unbounded queue (its put() from a handler works)"
+                ) from None
+            backlog.push(data, kind, task, False)
+        except BaseException:
+            if kind == KIND_SPILL:  # not queued: its pages go back
+                region.punch(*SPILL.unpack(data))
+            raise
+        finally:
+            region.unleak()
+        if backlog.thread is not None and self._jointhread is None and not self._joincancelled:
+            self._watch_backlog()
 
     def _watch_backlog(self) -> None:
         """The backlog's thread started: at exit (or when collected) this process writes
         the backlog out before it ends, as multiprocessing's feeder does."""
-        if self._close is None:
-            self._close = util.Finalize(self, _finalize_close, [self._backlog], exitpriority=CLOSE_PRIORITY)
-        if not self._joincancelled and self._jointhread is None:
-            self._jointhread = util.Finalize(
-                self._backlog, _finalize_join, [weakref.ref(self._backlog)], exitpriority=-5
-            )
+        self._jointhread = util.Finalize(self._backlog, _finalize_join, [weakref.ref(self._backlog)], exitpriority=-5)
 
     def put_nowait(self, obj: Any) -> None:
         self.put(obj, False)
@@ -808,69 +998,60 @@ class Queue:
     def get(self, block: bool = True, timeout: float | None = None) -> Any:
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
-        got = self._region.try_get()  # the fast path: a message is there
+        try:
+            got = self._region.try_get(_NOW)  # the fast path: a message is there
+        except ReentrantCallError:
+            raise _reentered_get() from None
         if got is not None:
             kind, payload = got
-            item = _restore(self._region.unspill(payload) if kind == KIND_SPILL else payload)
-        else:
-            item = self._get(block, timeout)
-        if type(item) is not _CreatorExited:
-            return item
-        # The creator exited. Other processes may still be putting: go on while items
-        # keep coming, and leave the marker behind them for the next consumer.
-        try:
-            after = self._get(True, EXIT_GRACE)
-        except queue.Empty:
-            after = item
-        self._pass_on(item)
-        if type(after) is not _CreatorExited:
-            return after
-        raise OwnerGoneError(
-            f"the process that created this queue (pid {item.pid}) exited, and nothing more came "
-            f"within {EXIT_GRACE:g} s; its buffers' memory is gone with it. End this worker, or use "
-            "Manager(owner='server') for buffers that outlive their producer"
-        )
+            return _restore(self._region.unspill(payload) if kind == KIND_SPILL else payload)
+        if not block:
+            raise queue.Empty
+        return self._get(timeout)
 
     def get_nowait(self) -> Any:
         return self.get(False)
 
-    def _pass_on(self, marker: _CreatorExited) -> None:
-        """Leave the marker in the queue for the next consumer."""
-        _send(self._region, self._backlog, self._maxsize, pickle.dumps(marker, HIGHEST), False, None, 0)
-
-    def _get(self, block: bool, timeout: float | None) -> Any:
-        """The next item; a blocking wait checks every WATCH_INTERVAL that the creator lives."""
-        if not block:
-            return _restore(self._receive(False, None))
+    def _get(self, timeout: float | None) -> Any:
+        """The next item; a blocking wait looks every WATCH_INTERVAL whether any other process
+        still holds the queue."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        region = self._region
         while True:
             wait = WATCH_INTERVAL if deadline is None else min(WATCH_INTERVAL, max(0.0, deadline - time.monotonic()))
             try:
-                return _restore(self._receive(True, wait))
+                return _restore(self._receive(wait))
             except queue.Empty:
                 if deadline is not None and time.monotonic() >= deadline:
                     raise
-            if self._opid != os.getpid() and not _process_alive(self._opid):
-                try:
-                    return _restore(self._receive(False, None))  # what it put before it died comes first
-                except queue.Empty:
-                    raise OwnerGoneError(
-                        f"the process that created this queue (pid {self._opid}) is gone and the queue is "
-                        "empty; nothing more will come from it. Its buffers' memory may be gone too; "
-                        "end this worker, or use Manager(owner='server') for buffers that outlive it"
-                    ) from None
+            except ReentrantCallError:
+                raise _reentered_get() from None
+            finally:
+                region.unleak()
+            # Nobody else holds it (decided first, then the ring looked at once more): nothing can come.
+            if not self._put_any and self._opid != os.getpid() and not region.held_elsewhere():
+                got = region.try_get()
+                if got is not None:
+                    kind, payload = got
+                    return _restore(region.unspill(payload) if kind == KIND_SPILL else payload)
+                raise OwnerGoneError(
+                    f"no other process holds this queue any more: its creator (pid {self._opid}) and every "
+                    "process it was passed to have exited or closed it, and it is empty, so nothing more "
+                    "can arrive. End this worker; buffers from a Manager(owner='server') outlive their producer"
+                )
             child = stopped_by_main_guard()
             if child is not None:  # nothing it was to put will come, nor from any child started alike
                 raise main_guard_error(f"child process {child.name}", child.pid)
 
-    def _receive(self, block: bool, timeout: float | None) -> bytes | bytearray:
+    def _receive(self, timeout: float) -> bytes | bytearray:
         """One message's bytes (unpickled by ``_restore`` outside the lock); raises queue.Empty."""
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
         region = self._region
-        got = region.try_get()
-        if got is None and block:
-            got = self._wait(region, time.monotonic() + (timeout or 0.0))
+        deadline = time.monotonic() + timeout
+        got = region.try_get(deadline)
+        if got is None:
+            got = self._wait(region, deadline)
         if got is None:
             raise queue.Empty
         kind, payload = got
@@ -881,7 +1062,7 @@ class Queue:
         sleep on the producers' word."""
         pseq = region.pseq
         seen = pseq.value
-        got = region.try_get()  # a put may have come between the caller's try and ``seen``
+        got = region.try_get(deadline)  # a put may have come between the caller's try and ``seen``
         if got is not None:
             return got
         clock = time.monotonic
@@ -894,7 +1075,7 @@ class Queue:
                 yield_()  # a producer waiting for this CPU runs first
         while True:
             seen = region.pseq.value  # before the try: a put after it wakes the wait below
-            got = region.try_get()
+            got = region.try_get(deadline)
             now = clock()
             if got is not None or now >= deadline:  # an item, or the timeout: a wait too
                 self._spin.waited(now - start)
@@ -906,7 +1087,7 @@ class Queue:
     # -- the rest of multiprocessing.Queue's interface
 
     def qsize(self) -> int:
-        return self._region.count() + len(self._backlog.items)
+        return self._region.count()
 
     def empty(self) -> bool:
         return self._region.empty()
@@ -932,6 +1113,17 @@ class Queue:
             self._jointhread.cancel()
         except AttributeError:
             pass
+
+
+_NOW = 0.0  # a deadline already passed: the lock if free at once, else the answer BUSY
+LOCK_PATIENCE = 0.01  # seconds an unbounded queue's put() waits for the producers' lock, then leaves it to the backlog
+
+
+def _reentered_get() -> ReentrantCallError:
+    return ReentrantCallError(
+        "get() was called by a signal handler while its thread was inside a call on the same queue; "
+        "it cannot wait for its own thread. Set a flag in the handler and get from the main code"
+    )
 
 
 class JoinableQueue(Queue):

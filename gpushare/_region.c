@@ -27,6 +27,7 @@ struct gsq_layout {          /* one region as mapped in this process */
     uint64_t header;         /* where the ring starts */
     uint64_t pseq, cseq;     /* commit words */
     uint64_t get_waiters, put_waiters;
+    uint64_t backlogged;     /* messages counted in processes' backlogs (8 bytes, under the producers' lock) */
     uint64_t p_at[2], c_at[2];
     uint64_t plock, clock;   /* the producers' and consumers' mutexes (the same one in one-lock mode) */
 };
@@ -39,16 +40,18 @@ static inline uint32_t load32(const char *p) { return __atomic_load_n((const uin
 static inline uint64_t load64(const char *p) { return __atomic_load_n((const uint64_t *)p, __ATOMIC_ACQUIRE); }
 static inline void store64(char *p, uint64_t v) { __atomic_store_n((uint64_t *)p, v, __ATOMIC_RELEASE); }
 
-/* The other side's state, read without its lock: seq, three fields, seq again, until both seqs agree. */
+/* The other side's state, read without its lock: the copy's closing seq, the three fields,
+ * then its opening seq, until both agree. The writer stores them in the other order (opening,
+ * fields, closing), so a copy rewritten under the reader shows two seqs that differ. */
 static void snapshot(const struct gsq_layout *r, uint64_t seq_at, const uint64_t at[2], uint64_t out[3])
 {
     for (;;) {
         const char *copy = r->base + at[load32(r->base + seq_at) & 1];
-        uint64_t s1 = load64(copy);
+        uint64_t last = load64(copy + 32);
         out[0] = load64(copy + 8);
         out[1] = load64(copy + 16);
         out[2] = load64(copy + 24);
-        if (load64(copy + 32) == s1)
+        if (load64(copy) == last)
             return;
     }
 }
@@ -88,11 +91,11 @@ static void wake(const struct gsq_layout *r, uint64_t word_at, uint64_t waiters_
         syscall(SYS_futex, (uint32_t *)(r->base + word_at), FUTEX_WAKE, count, NULL, NULL, 0);
 }
 
-/* Put one record: 0 when written and committed; GSQ_FULL (maxsize messages, counting the
- * caller's pending ones), GSQ_NO_ROOM (not in the ring now) or GSQ_PYTHON (the lock not
+/* Put one record: 0 when written and committed; GSQ_FULL (maxsize messages, counting those
+ * in every process's backlog), GSQ_NO_ROOM (not in the ring now) or GSQ_PYTHON (the lock not
  * free at once, or a payload to spill) with nothing written. */
 static int gsq_put(const struct gsq_layout *r, const char *payload, uint32_t size, uint32_t kind, uint32_t task,
-            uint64_t maxsize, uint64_t pending)
+            uint64_t maxsize)
 {
     if (size > r->spill_over)
         return GSQ_PYTHON;
@@ -104,7 +107,7 @@ static int gsq_put(const struct gsq_layout *r, const char *payload, uint32_t siz
     uint64_t tail = load64(mine + 8), nput = load64(mine + 16), tasks = load64(mine + 24);
     uint64_t theirs[3];
     snapshot(r, r->cseq, r->c_at, theirs);           /* head, messages taken, tasks done */
-    if (maxsize && nput + pending - theirs[1] >= maxsize) {
+    if (maxsize && nput + load64(r->base + r->backlogged) - theirs[1] >= maxsize) {
         pthread_mutex_unlock(lock);
         return GSQ_FULL;
     }
@@ -184,14 +187,14 @@ typedef struct {
     struct gsq_layout layout;
 } Ring;
 
-/* Ring(keep, base, cap, spill_over, header, pseq, cseq, get_waiters, put_waiters,
+/* Ring(keep, base, cap, spill_over, header, pseq, cseq, get_waiters, put_waiters, backlogged,
  *      p_at0, p_at1, c_at0, c_at1, plock, clock) */
 static int Ring_init(Ring *self, PyObject *args, PyObject *kwds)
 {
     PyObject *keep;
-    unsigned long long v[14];
-    if (!PyArg_ParseTuple(args, "OKKKKKKKKKKKKKK", &keep, &v[0], &v[1], &v[2], &v[3], &v[4], &v[5], &v[6],
-                          &v[7], &v[8], &v[9], &v[10], &v[11], &v[12], &v[13]))
+    unsigned long long v[15];
+    if (!PyArg_ParseTuple(args, "OKKKKKKKKKKKKKKK", &keep, &v[0], &v[1], &v[2], &v[3], &v[4], &v[5], &v[6],
+                          &v[7], &v[8], &v[9], &v[10], &v[11], &v[12], &v[13], &v[14]))
         return -1;
     Py_INCREF(keep);
     Py_XSETREF(self->keep, keep);
@@ -204,34 +207,34 @@ static int Ring_init(Ring *self, PyObject *args, PyObject *kwds)
     r->cseq = v[5];
     r->get_waiters = v[6];
     r->put_waiters = v[7];
-    r->p_at[0] = v[8];
-    r->p_at[1] = v[9];
-    r->c_at[0] = v[10];
-    r->c_at[1] = v[11];
-    r->plock = v[12];
-    r->clock = v[13];
+    r->backlogged = v[8];
+    r->p_at[0] = v[9];
+    r->p_at[1] = v[10];
+    r->c_at[0] = v[11];
+    r->c_at[1] = v[12];
+    r->plock = v[13];
+    r->clock = v[14];
     (void)kwds;
     return 0;
 }
 
-/* put(payload, kind, task, maxsize, pending) -> 0, FULL, NO_ROOM or PYTHON */
+/* put(payload, kind, task, maxsize) -> 0, FULL, NO_ROOM or PYTHON */
 static PyObject *Ring_put(Ring *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 5 || !PyBytes_Check(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "put(payload: bytes, kind, task, maxsize, pending)");
+    if (nargs != 4 || !PyBytes_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "put(payload: bytes, kind, task, maxsize)");
         return NULL;
     }
     unsigned long kind = PyLong_AsUnsignedLong(args[1]);
     unsigned long task = PyLong_AsUnsignedLong(args[2]);
     unsigned long long maxsize = PyLong_AsUnsignedLongLong(args[3]);
-    unsigned long long pending = PyLong_AsUnsignedLongLong(args[4]);
     if (PyErr_Occurred())
         return NULL;
     Py_ssize_t size = PyBytes_GET_SIZE(args[0]);
     if ((uint64_t)size > UINT32_MAX)
         return PyLong_FromLong(GSQ_PYTHON);
     return PyLong_FromLong(gsq_put(&self->layout, PyBytes_AS_STRING(args[0]), (uint32_t)size, (uint32_t)kind,
-                                   (uint32_t)task, maxsize, pending));
+                                   (uint32_t)task, maxsize));
 }
 
 /* get() -> (kind, payload), or EMPTY or PYTHON */

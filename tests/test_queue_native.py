@@ -115,13 +115,13 @@ def test_the_c_calls_answer_full_no_room_and_empty_as_the_python_path() -> None:
     assert native.get() == _native.EMPTY
     q.put(1)
     q.put(2)
-    assert native.put(b"x", 0, 0, 2, 0) == _queues.FULL
+    assert native.put(b"x", 0, 0, 2) == _queues.FULL
     with pytest.raises(queue.Full):
         q.put_nowait(3)
     assert [q.get(timeout=5), q.get(timeout=5)] == [1, 2]
     assert q.empty()
     big = b"y" * (200 << 10)  # under a quarter of the 1 MiB ring: no spill
-    answers = [native.put(big, 0, 0, 0, 0) for _ in range(6)]
+    answers = [native.put(big, 0, 0, 0) for _ in range(6)]
     assert answers == [0, 0, 0, 0, 0, _queues.NO_ROOM] and q.qsize() == 5
     assert native.get() == (_queues.KIND_DATA, big)
 
@@ -148,10 +148,10 @@ if __name__ == "__main__":
     assert native is not None
     after = pickle.dumps("after")
     h = held_then_killed(q, ready, "p")
-    assert native.put(after, 0, 0, 0, 0) == PYTHON and q.qsize() == 0  # busy: nothing written
+    assert native.put(after, 0, 0, 0) == PYTHON and q.qsize() == 0  # busy: nothing written
     os.kill(h.pid, signal.SIGKILL)
     h.join(30)
-    assert native.put(after, 0, 0, 0, 0) == 0  # the dead holder's lock taken over (EOWNERDEAD)
+    assert native.put(after, 0, 0, 0) == 0  # the dead holder's lock taken over (EOWNERDEAD)
     h = held_then_killed(q, ready, "c")
     q.put("queued")
     assert native.get() == PYTHON and q.qsize() == 2  # busy: nothing taken

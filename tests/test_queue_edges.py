@@ -1,0 +1,471 @@
+"""The Queue at its edges, each case one script run against multiprocessing and against gpushare.
+
+A script takes the module to import as ``mp`` (``multiprocessing`` or ``gpushare``) as its
+first argument and prints one line of JSON; the test compares the two. The cases: messages
+put just before a process exits (spilled or in the backlog, from the main process and from
+a child, in each start method), a bare ``os.fork()`` with a backlog, a signal handler that
+puts while its thread is inside ``put()``, Ctrl-C while waiting for a lock another process
+holds, timeouts while another process holds the lock, a queue whose creator drops it or
+returns while others still put, ``maxsize`` and ``qsize()`` across producers, and
+``get_nowait()`` on an empty queue. Every script runs in a subprocess with a timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+import pytest
+from conftest import subprocess_env
+
+pytestmark = pytest.mark.timeout(2 * 120 + 60)  # two scripts, each bounded by T
+
+MODULES = ("multiprocessing", "gpushare")
+T = 120  # seconds a script may take
+
+
+def run(script: str, module: str, *args: str, timeout: float = T) -> Any:
+    """Run ``script`` with ``module`` as ``mp``: the JSON of its last line of output."""
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script), module, *args],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    lines = done.stdout.strip().splitlines()
+    assert done.returncode == 0 and lines, f"{module}: exit {done.returncode}\n{done.stdout}\n{done.stderr[-4000:]}"
+    return json.loads(lines[-1])
+
+
+def both(script: str, *args: str, timeout: float = T) -> tuple[Any, Any]:
+    """The script's answers with multiprocessing, then with gpushare."""
+    return run(script, "multiprocessing", *args, timeout=timeout), run(script, "gpushare", *args, timeout=timeout)
+
+
+# -- messages put before a normal exit arrive ---------------------------------------------------
+
+EXIT = """
+import importlib, sys, time
+mp = importlib.import_module(sys.argv[1])
+
+def consume(q, path, ready):
+    ready.set()
+    time.sleep(1.0)  # slow: the producer exits with messages not yet written
+    n = 0
+    while True:
+        try:
+            q.get(timeout=3)
+        except Exception:  # queue.Empty, or gpushare's OwnerGoneError once nobody else holds it
+            break
+        n += 1
+    with open(path, "w") as f:
+        f.write(str(n))
+
+def produce(q):
+    for i in range(28):  # 300 kB ones spill; 100 kB ones fill the 1 MiB ring and wait in the backlog
+        q.put(b"x" * (300_000 if i % 4 == 0 else 100_000))
+
+if __name__ == "__main__":
+    where, method, path = sys.argv[2], sys.argv[3], sys.argv[4]
+    ctx = mp.get_context(method)
+    q, ready = ctx.Queue(), ctx.Event()
+    ctx.Process(target=consume, args=(q, path, ready)).start()
+    ready.wait(60)  # multiprocessing's child must have unpickled the queue's lock before its creator exits
+    if where == "main":
+        produce(q)  # then returns: the exit writes the backlog and joins the consumer
+    else:
+        p = ctx.Process(target=produce, args=(q,))
+        p.start()
+        p.join()
+"""
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver", "fork"])
+@pytest.mark.parametrize("where", ["main", "child"])
+def test_every_message_put_before_a_normal_exit_arrives(tmp_path, where, method) -> None:
+    script = tmp_path / "exit.py"
+    script.write_text(textwrap.dedent(EXIT))
+    counts = {}
+    for module in MODULES:
+        out = tmp_path / f"{module}.txt"
+        done = subprocess.run(
+            [sys.executable, str(script), module, where, method, str(out)],
+            env=subprocess_env(),
+            capture_output=True,
+            text=True,
+            timeout=T,
+            check=False,
+        )
+        assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+        counts[module] = int(out.read_text())
+    assert counts == {"multiprocessing": 28, "gpushare": 28}
+
+
+# -- a bare os.fork() ---------------------------------------------------------------------------
+
+FORK_WITH_BACKLOG = """
+import collections, importlib, json, os, sys
+mp = importlib.import_module(sys.argv[1])
+if __name__ == "__main__":
+    q = mp.Queue()
+    for i in range(40_000):  # most of them still wait in this process's backlog at the fork
+        q.put(("parent", i, b"y" * 100))
+    pid = os.fork()
+    if pid == 0:
+        q.put(("child", 0, b""))
+        q.close()
+        q.join_thread()
+        os._exit(0)
+    got = collections.Counter()
+    while True:
+        try:
+            item = q.get(timeout=3)
+        except Exception:
+            break
+        got[item[:2]] += 1
+    _, status = os.waitpid(pid, 0)
+    print(json.dumps({
+        "parent": sum(1 for key in got if key[0] == "parent"),
+        "twice": sum(1 for n in got.values() if n > 1),
+        "child": got[("child", 0)],
+        "status": status,
+    }))
+"""
+
+
+def test_a_bare_fork_starts_with_an_empty_backlog() -> None:
+    stdlib, ours = both(FORK_WITH_BACKLOG)
+    assert stdlib["parent"] == ours["parent"] == 40_000
+    assert stdlib["twice"] == ours["twice"] == 0
+    assert ours["status"] == 0
+    # multiprocessing's child, whose parent's feeder had started, never sends its own item
+    # (a bare fork's child has no feeder thread); gpushare's child does.
+    assert ours["child"] == 1
+
+
+# -- a signal handler's put -----------------------------------------------------------------------
+
+HANDLER_PUTS = """
+import importlib, json, os, random, signal, sys, threading, time
+mp = importlib.import_module(sys.argv[1])
+if __name__ == "__main__":
+    q = mp.Queue()
+    handled = []
+    ran = threading.Event()
+    def handler(signum, frame):
+        q.put(("handler", len(handled)))
+        handled.append(1)
+        ran.set()
+    signal.signal(signal.SIGUSR1, handler)
+    stop = threading.Event()
+    def poke():  # one signal at a time (a handler interrupted by the next one nests), at random moments
+        rng = random.Random(len(sys.argv))
+        while not stop.is_set():
+            ran.clear()
+            os.kill(os.getpid(), signal.SIGUSR1)
+            ran.wait(5)
+            time.sleep(rng.random() * 0.003)
+    poker = threading.Thread(target=poke, daemon=True)
+    poker.start()
+    got = {"main": 0, "handler": 0}
+    big = b"z" * (2 << 20)  # spilled: its put takes the region's lock in Python code
+    for i in range(40):
+        q.put(("main", big))
+        got[q.get(timeout=60)[0]] += 1
+    stop.set()
+    poker.join()
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    while got["main"] < 40 or got["handler"] < len(handled):
+        got[q.get(timeout=60)[0]] += 1
+    print(json.dumps({"main": got["main"], "all": got["handler"] == len(handled), "any": bool(handled)}))
+"""
+
+
+def test_a_signal_handler_that_puts_never_wedges_its_process() -> None:
+    for _ in range(5):
+        stdlib, ours = both(HANDLER_PUTS, timeout=90)
+        assert stdlib == ours == {"main": 40, "all": True, "any": True}
+
+
+REENTERED_GET = """
+import importlib, json, signal, sys, threading, time
+import gpushare as mp
+from gpushare import _queues
+if __name__ == "__main__":
+    q = mp.Queue()
+    seen = []
+    def handler(signum, frame):
+        try:
+            q.get(timeout=5)
+            seen.append("got")
+        except mp.ReentrantCallError as exc:
+            seen.append(type(exc).__name__)
+    signal.signal(signal.SIGALRM, handler)
+    lock = q._region.clock
+    lock.acquire()  # as a get() of this thread holding the consumers' lock
+    lock.inside = lock.holder
+    started = time.monotonic()
+    signal.setitimer(signal.ITIMER_REAL, 0.05)
+    time.sleep(0.3)
+    lock.release()
+    q.put("after")
+    print(json.dumps({"seen": seen, "quick": time.monotonic() - started < 2, "after": q.get(timeout=5)}))
+"""
+
+
+def test_a_reentered_get_raises_at_once_and_the_queue_goes_on() -> None:
+    answer = run(REENTERED_GET, "gpushare")
+    assert answer == {"seen": ["ReentrantCallError"], "quick": True, "after": "after"}
+
+
+# -- a lock another process holds: interruptible waits, timeouts ---------------------------------
+
+HELD_LOCK = """
+import importlib, json, os, queue, signal, sys, threading, time
+import gpushare as mp
+
+def hold(q, side, ready, go):
+    lock = q._region.plock if side == "p" else q._region.clock
+    lock.acquire()
+    ready.put("holding")
+    go.get(timeout=60)
+    lock.release()
+    ready.put("released")
+
+def wait_in(q, call, out):
+    try:
+        if call == "get":
+            q.get(timeout=30)
+        else:
+            q.put(b"x" * 100, timeout=30)
+        out.put(("returned", 0.0))
+    except KeyboardInterrupt:
+        out.put(("KeyboardInterrupt", time.monotonic()))
+    time.sleep(30)  # alive: whatever it held, it still holds unless it let go
+
+if __name__ == "__main__":
+    call = sys.argv[2]
+    q = mp.Queue(maxsize=4)
+    ready, go, out = mp.Queue(), mp.Queue(), mp.Queue()
+    holder = mp.Process(target=hold, args=(q, "c" if call == "get" else "p", ready, go), daemon=True)
+    holder.start()
+    assert ready.get(timeout=60) == "holding"
+    waiter = mp.Process(target=wait_in, args=(q, call, out), daemon=True)
+    waiter.start()
+    time.sleep(1.0)  # the waiter is waiting for the held lock
+    sent = time.monotonic()
+    os.kill(waiter.pid, signal.SIGINT)
+    what, when = out.get(timeout=30)
+    interrupted = what == "KeyboardInterrupt" and when - sent < 1.0
+    go.put("release")
+    assert ready.get(timeout=60) == "released"
+    # The interrupted waiter is alive and holds nothing: this process's calls go through.
+    started = time.monotonic()
+    q.put("ok", timeout=10)
+    while (item := q.get(timeout=10)) != "ok":
+        pass
+    print(json.dumps({"interrupted": interrupted, "free": time.monotonic() - started < 5, "alive": waiter.is_alive()}))
+"""
+
+
+@pytest.mark.parametrize("call", ["get", "put"])
+def test_ctrl_c_interrupts_a_wait_for_a_held_lock_and_leaves_nothing_held(call) -> None:
+    answer = run(HELD_LOCK, "gpushare", call)
+    assert answer == {"interrupted": True, "free": True, "alive": True}
+
+
+STOPPED_HOLDER = """
+import importlib, json, os, queue, signal, sys, time
+import gpushare as mp
+
+def hold(q, ready):
+    q._region.plock.acquire()
+    ready.put("holding")
+    time.sleep(60)  # stopped here (SIGSTOP), the producers' lock held
+
+if __name__ == "__main__":
+    bounded, unbounded, ready = mp.Queue(maxsize=4), mp.Queue(), mp.Queue()
+    answers = {}
+    for name, q in (("bounded", bounded), ("unbounded", unbounded)):
+        h = mp.Process(target=hold, args=(q, ready), daemon=True)
+        h.start()
+        assert ready.get(timeout=60) == "holding"
+        os.kill(h.pid, signal.SIGSTOP)
+        for call in ("put_nowait", "put_timeout"):
+            started = time.monotonic()
+            try:
+                if call == "put_nowait":
+                    q.put_nowait(call)
+                else:
+                    q.put(call, timeout=0.3)
+                what = "returned"
+            except queue.Full:
+                what = "Full"
+            answers[f"{name} {call}"] = [what, round(time.monotonic() - started, 1)]
+        os.kill(h.pid, signal.SIGKILL)  # its lock goes to the next taker (a robust mutex)
+        h.join()
+        if name == "unbounded":  # what put_nowait() accepted arrives
+            answers["arrived"] = sorted(q.get(timeout=30) for _ in range(2))
+    print(json.dumps(answers))
+"""
+
+
+def test_puts_with_a_timeout_keep_it_while_a_stopped_process_holds_the_lock() -> None:
+    answer = run(STOPPED_HOLDER, "gpushare")
+    assert answer["bounded put_nowait"] == ["Full", 0.0]
+    assert answer["bounded put_timeout"][0] == "Full" and answer["bounded put_timeout"][1] < 1.0
+    assert answer["unbounded put_nowait"] == ["returned", 0.0]
+    assert answer["unbounded put_timeout"][0] == "returned" and answer["unbounded put_timeout"][1] < 1.0
+    assert answer["arrived"] == ["put_nowait", "put_timeout"]
+
+
+SPILL_WRITE_STOPPED = """
+import json, os, queue, signal, sys, time
+import gpushare as mp
+
+def put_big(q, ready):
+    real = os.pwrite
+    def slow(fd, data, at):
+        ready.put("writing")
+        time.sleep(60)  # stopped inside the spill write
+        return real(fd, data, at)
+    os.pwrite = slow
+    q.put(b"b" * (32 << 20))
+
+if __name__ == "__main__":
+    q, ready = mp.Queue(maxsize=4), mp.Queue()
+    p = mp.Process(target=put_big, args=(q, ready), daemon=True)
+    p.start()
+    assert ready.get(timeout=60) == "writing"
+    started = time.monotonic()
+    q.put_nowait("small")
+    took = time.monotonic() - started
+    p.kill()
+    print(json.dumps({"took": took < 0.5, "got": q.get(timeout=10)}))
+"""
+
+
+def test_a_large_write_holds_up_no_other_producer() -> None:
+    assert run(SPILL_WRITE_STOPPED, "gpushare") == {"took": True, "got": "small"}
+
+
+# -- a queue lives while anyone holds it ------------------------------------------------------------
+
+CREATOR_LEAVES = """
+import importlib, json, sys, time
+mp = importlib.import_module(sys.argv[1])
+
+def produce(q, n):
+    for i in range(n):
+        time.sleep(0.6)  # slower than a consumer's 0.5 s wait for more once the creator went
+        q.put(i)
+    q.put(None)
+
+def consume(q, out):
+    got = []
+    while (item := q.get(timeout=30)) is not None:
+        got.append(item)
+    out.put(got)
+
+def creator(how, out):
+    q = mp.Queue()
+    procs = [mp.Process(target=produce, args=(q, 6)), mp.Process(target=consume, args=(q, out))]
+    for p in procs:
+        p.start()
+    q.put("first")
+    if how == "drops":
+        del q  # the creator keeps running; its children still use the queue
+        time.sleep(5)
+    # how == "returns": returns at once; its exit joins its children
+
+if __name__ == "__main__":
+    out = mp.Queue()
+    p = mp.Process(target=creator, args=(sys.argv[2], out))
+    p.start()
+    got = out.get(timeout=60)
+    p.join(60)
+    print(json.dumps({"got": got, "exitcode": p.exitcode}))
+"""
+
+
+@pytest.mark.parametrize("how", ["drops", "returns"])
+def test_a_queue_outlives_its_creator_while_others_use_it(how) -> None:
+    stdlib, ours = both(CREATOR_LEAVES, how)
+    assert stdlib == ours == {"got": ["first", *range(6)], "exitcode": 0}
+
+
+EMPTY_AT_ONCE = """
+import importlib, json, queue, sys, time
+mp = importlib.import_module(sys.argv[1])
+
+def take(q, out):
+    first = q.get(timeout=30)
+    answers = []
+    for _ in range(3):
+        started = time.monotonic()
+        try:
+            q.get_nowait()
+            what = "item"
+        except queue.Empty:
+            what = "Empty"
+        except Exception as exc:
+            what = type(exc).__name__
+        answers.append((what, time.monotonic() - started < 0.05))
+    out.put({"first": first, "after": answers})
+
+if __name__ == "__main__":
+    q, out = mp.Queue(), mp.Queue()
+    p = mp.Process(target=take, args=(q, out))
+    p.start()
+    q.put("only")
+    del q  # its creator drops it: the child still holds it
+    print(json.dumps(out.get(timeout=30)))
+    p.join(30)
+"""
+
+
+def test_get_nowait_on_an_empty_queue_raises_empty_at_once() -> None:
+    stdlib, ours = both(EMPTY_AT_ONCE)
+    assert stdlib == ours == {"first": "only", "after": [["Empty", True]] * 3}
+
+
+# -- maxsize and qsize() count every process --------------------------------------------------------
+
+BOUNDED = """
+import importlib, json, sys, time
+mp = importlib.import_module(sys.argv[1])
+
+def produce(q, size, accepted):
+    for _ in range(10):
+        q.put(b"z" * size)
+        with accepted.get_lock():
+            accepted.value += 1
+
+if __name__ == "__main__":
+    producers, maxsize, size = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    q = mp.Queue(maxsize=maxsize)
+    accepted = mp.Value("i", 0)
+    procs = [mp.Process(target=produce, args=(q, size, accepted), daemon=True) for _ in range(producers)]
+    for p in procs:
+        p.start()
+    time.sleep(3)  # nobody reads
+    answer = {"accepted": accepted.value, "qsize": q.qsize(), "full": q.full()}
+    for p in procs:
+        p.kill()
+    print(json.dumps(answer))
+"""
+
+
+@pytest.mark.parametrize(
+    ("producers", "maxsize", "size"),
+    [(4, 6, 200_000), (3, 8, 200_000), (4, 6, 100), (2, 5, 400_000)],
+    ids=["4x6-ring-full", "3x8-ring-full", "4x6-small", "2x5-spilled"],
+)
+def test_maxsize_and_qsize_count_every_producer(producers, maxsize, size) -> None:
+    stdlib, ours = both(BOUNDED, str(producers), str(maxsize), str(size))
+    assert stdlib == ours == {"accepted": maxsize, "qsize": maxsize, "full": True}
