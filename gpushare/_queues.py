@@ -431,6 +431,8 @@ class Region:
                 start, self.cap, self.spill_over, HEADER, (PSEQ, CSEQ, GET_WAITERS, PUT_WAITERS, BACKLOGGED),
                 (P_AT, C_AT), (P_MUTEX, P_MUTEX if ONE_LOCK else C_MUTEX),
             )  # fmt: skip
+        self.head_seen = 0  # the consumers' head as last read: stale is safe (less room)
+        self.tail_seen = 0  # the producers' tail as last read: stale is safe (fewer messages)
 
     def after_fork(self) -> None:
         """In a forked child: its own locks' state, and a hold of its own (the parent's description,
@@ -539,23 +541,24 @@ class Region:
         try:
             lock.inside = lock.holder
             seq, tail, nput, tasks, _ = self._current(pseq, P_AT)
-            waiting = self.backlogged()
-            if maxsize and nput + waiting - self.consumers()[1] >= maxsize:
+            if maxsize and nput + self.backlogged() - self.consumers()[1] >= maxsize:
                 return FULL
             cap = self.cap
             size = len(payload)
             need = (size + 15) & ~7  # the record's 8 bytes and the payload, 8-aligned
             at = tail % cap
             skip = cap - at if cap - at < need else 0
-            if (tail - self.consumers()[0]) + skip + need > cap:
-                return NO_ROOM
+            if (tail - self.head_seen) + skip + need > cap:
+                self.head_seen = self.consumers()[0]
+                if (tail - self.head_seen) + skip + need > cap:
+                    return NO_ROOM
             if skip:
                 mm[HEADER + at : HEADER + at + 8] = WRAP_RECORD
                 at = 0
             start = HEADER + at
             mm[start : start + 8 + size] = RECORD.pack(size, kind) + payload
             if reserved:
-                _SEQ.pack_into(mm, BACKLOGGED, waiting - reserved)
+                _SEQ.pack_into(mm, BACKLOGGED, self.backlogged() - reserved)
             seq = (seq + 1) & 0xFFFFFFFF
             COPY.pack_into(mm, P_AT[seq & 1], seq, tail + skip + need, nput + 1, tasks + task, seq)
             pseq.value = seq  # the commit
@@ -621,16 +624,21 @@ class Region:
                 return got
             if got == NATIVE_EMPTY:
                 return None
-        if self.consumers()[0] >= self.producers()[0]:  # empty, as far as can be seen without the lock
-            return None
+        # Empty, as far as can be seen without the lock? (A stale tail only says so sooner.)
+        if self.consumers()[0] >= self.tail_seen:
+            self.tail_seen = self.producers()[0]
+            if self.consumers()[0] >= self.tail_seen:
+                return None
         lock, mm, cseq = self.clock, self.mm, self.cseq
         if not lock.acquire(deadline):
             return None
         try:
             lock.inside = lock.holder
             seq, head, nget, done, _ = self._current(cseq, C_AT)
-            if head >= self.producers()[0]:
-                return None
+            if head >= self.tail_seen:
+                self.tail_seen = self.producers()[0]
+                if head >= self.tail_seen:
+                    return None
             cap = self.cap
             at = head % cap
             length, kind = RECORD.unpack_from(mm, HEADER + at)
@@ -920,6 +928,9 @@ class Queue:
                     return
             except ReentrantCallError:  # a signal handler's put, its thread inside a call on this queue
                 pass
+            except BaseException:
+                region.unleak()
+                raise
         self._put_slowly(data, block, timeout)
 
     def _put_slowly(self, data: bytes, block: bool, timeout: float | None) -> None:
@@ -1002,6 +1013,9 @@ class Queue:
             got = self._region.try_get(_NOW)  # the fast path: a message is there
         except ReentrantCallError:
             raise _reentered_get() from None
+        except BaseException:
+            self._region.unleak()
+            raise
         if got is not None:
             kind, payload = got
             return _restore(self._region.unspill(payload) if kind == KIND_SPILL else payload)
