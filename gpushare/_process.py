@@ -239,6 +239,11 @@ def _dry_run(obj: Any, protocol: int | None, main: Any) -> tuple[bool, bytes | N
     _dry.stubbed = False
     try:
         pickler.dump(obj)
+    except TypeError:
+        # Not a function or class the plain pickler cannot name (that is a PicklingError or an
+        # AttributeError) but an object no pickler carries in multiprocessing: an open file, a lock,
+        # a generator. Its error is the stdlib's own, and cloudpickle must not send a copy instead.
+        raise
     except Exception:
         return False, None
     finally:
