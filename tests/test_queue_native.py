@@ -29,9 +29,10 @@ PROBE = (
 
 
 def probe(cache, **env: str) -> tuple[bool, str]:
+    """A child's answer with the C paths as ``env`` sets them (on, whatever this suite runs with)."""
     done = subprocess.run(
         [sys.executable, "-c", PROBE],
-        env=subprocess_env(GPUSHARE_CACHE=str(cache), **env),
+        env=subprocess_env(GPUSHARE_CACHE=str(cache), **{"GPUSHARE_NATIVE": "1", "GPUSHARE_QUEUE_NATIVE": "1", **env}),
         capture_output=True,
         text=True,
         timeout=T,
