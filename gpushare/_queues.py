@@ -9,14 +9,16 @@
   leaves the last commit; a dead lock holder's lock is taken over (EOWNERDEAD).
 - ``put()`` pickles the item (a Buffer's wire form, or :func:`gpushare._process.dumps`'s
   bytes) and writes it into the region under the producers' lock.
-  What finds no room waits in this process's backlog (:class:`_Backlog`), whose thread
-  writes it as room frees: the queue is unbounded, as multiprocessing's.
+  What finds no room waits in this process's backlog (:class:`_Backlog`), counted in the
+  region (``BACKLOGGED``), whose thread writes it as room frees: the queue is unbounded, as
+  multiprocessing's. Lock waits go in slices, with the caller's deadline.
 - ``get()`` takes the oldest message, sleeping on a futex word while there is none, reads a
   Buffer's descriptor straight from its bytes and unpickles the rest.
-- ``get()`` raises OwnerGoneError once the creator is gone and everything it put is received,
-  and MainGuardError when a child of this process stopped at ``MAIN_GUARD_EXIT``.
+- Each process that holds the queue holds a lock on one byte of its file (an OFD lock); a
+  blocking ``get()`` raises OwnerGoneError once the queue is empty and no other process
+  holds it, and MainGuardError when a child of this process stopped at ``MAIN_GUARD_EXIT``.
 - SimpleQueue stays multiprocessing's pipe: Pool and ProcessPoolExecutor read its connection.
-Why, and the end-of-queue protocol: docs/design.md, "Queues".
+Why, and who holds a queue: docs/design.md, "Queues".
 """
 
 from __future__ import annotations
