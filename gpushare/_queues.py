@@ -511,6 +511,10 @@ class Region:
                 return done  # 0, FULL or NO_ROOM
         return self._put_locked(payload, kind, task, maxsize, 0, deadline)
 
+    def _full(self, nput: int, maxsize: int) -> bool:
+        """Under the producers' lock: ``maxsize`` messages in the queue, every backlog's included."""
+        return bool(maxsize) and nput + self.backlogged() - self.consumers()[1] >= maxsize
+
     def reserve(self, task: int, maxsize: int, deadline: float | None = None) -> int:
         """Count a message bound for this process's backlog (0), or FULL, or BUSY; ``task``:
         count a task too. Counted here, before it is written, so that ``maxsize``, ``qsize()``
@@ -521,10 +525,9 @@ class Region:
         try:
             lock.inside = lock.holder
             _, tail, nput, tasks, _ = self._current(self.pseq, P_AT)
-            waiting = self.backlogged()
-            if maxsize and nput + waiting - self.consumers()[1] >= maxsize:
+            if self._full(nput, maxsize):
                 return FULL
-            _SEQ.pack_into(self.mm, BACKLOGGED, waiting + 1)
+            _SEQ.pack_into(self.mm, BACKLOGGED, self.backlogged() + 1)
             if task:
                 self._commit(self.pseq, P_AT, tail, nput, tasks + task)
         finally:
@@ -543,7 +546,7 @@ class Region:
         try:
             lock.inside = lock.holder
             seq, tail, nput, tasks, _ = self._current(pseq, P_AT)
-            if maxsize and nput + self.backlogged() - self.consumers()[1] >= maxsize:
+            if self._full(nput, maxsize):
                 return FULL
             cap = self.cap
             size = len(payload)
@@ -789,16 +792,14 @@ class _Backlog:
         self.closing = False
         self.thread: threading.Thread | None = None
 
-    def push(self, data: bytes, kind: int, task: int, counted: bool) -> bool:
-        """Append; True when this started the thread."""
+    def push(self, data: bytes, kind: int, task: int, counted: bool) -> None:
+        """Append, starting the thread if it is not running."""
         with self.cond:
             self.items.append((data, kind, task, counted))
-            started = self.thread is None or not self.thread.is_alive()
-            if started:
+            if self.thread is None or not self.thread.is_alive():
                 self.thread = threading.Thread(target=self._feed, name="QueueFeederThread", daemon=True)
                 self.thread.start()
             self.cond.notify()
-        return started
 
     def close(self) -> None:
         """No more pushes: the thread ends once it wrote everything, and the region is let go."""
@@ -955,20 +956,16 @@ class Queue:
                     else:
                         data, kind = spilled, KIND_SPILL
                         continue
-                elif backlog.items:  # behind this process's backlog
-                    answer = region.reserve(task, maxsize, patience)
-                    if not answer:
-                        backlog.push(data, kind, task, True)
-                        break
                 else:
-                    answer = region.try_put(data, kind, task, maxsize, patience)
-                    if answer == NO_ROOM:
+                    # Behind this process's backlog, or into the ring now.
+                    answer = NO_ROOM if backlog.items else region.try_put(data, kind, task, maxsize, patience)
+                    if not answer:
+                        break
+                    if answer == NO_ROOM:  # the backlog's thread writes it, counted now
                         answer = region.reserve(task, maxsize, patience)
                         if not answer:
                             backlog.push(data, kind, task, True)
                             break
-                    if not answer:
-                        break
                 if answer == BUSY and not maxsize:
                     # Unbounded: never wait for another process's lock (a stopped one may hold it);
                     # the backlog's thread counts and writes it.
