@@ -71,6 +71,7 @@ GET_WAITERS, PUT_WAITERS, JOIN_WAITERS = 192, 196, 200  # written only by those 
 # written (8 bytes, under the producers' lock): maxsize and qsize() count them, whoever holds them.
 BACKLOGGED = 208
 SPILL_END = 216  # where the next spilled payload goes (8 bytes, under the producers' lock); 0: past the ring
+RING_GIVEN_BACK = 224  # the producers' tail when the ring's pages were last given back (8 bytes, under their lock)
 _SEQ = struct.Struct("<Q")
 COPY = struct.Struct("<QQQQQ")  # seq, then three fields, then seq again
 P_AT = (256, 296)
@@ -81,8 +82,13 @@ RECORD = struct.Struct("<II")  # payload length, kind
 SPILL = struct.Struct("<QQ")  # a spilled payload's place in the file: offset, length
 PAGE = mmap.PAGESIZE
 KIND_DATA, KIND_WRAP, KIND_SPILL = 0, 1, 2
+DRAINED = 4  # added to a taken record's kind when it was the last one committed
+#: Once a consumer took this many bytes and emptied the queue, the ring's pages go back (Region.reclaim):
+#: a drained queue keeps at most this much of its ring resident.
+RECLAIM_BYTES = 32 << 10
 WRAP_RECORD = RECORD.pack(0, KIND_WRAP)
 FULL, NO_ROOM, BUSY = 1, 2, 3  # try_put's answers besides 0 (written)
+_NOW = 0.0  # a deadline already passed: the lock if free at once, else the answer BUSY
 WAKE_ALL = 0x7FFFFFFF
 
 # -- libc: futex and robust mutexes (Linux), with fallbacks ---------------------------------------
@@ -434,6 +440,7 @@ class Region:
                 (P_AT, C_AT), (P_MUTEX, P_MUTEX if ONE_LOCK else C_MUTEX),
             )  # fmt: skip
         self.head_seen = 0  # the consumers' head as last read: stale is safe (less room)
+        self.spill_locks = 0  # spilled payloads this process has locked (writing, or reading)
         self.tail_seen = 0  # the producers' tail as last read: stale is safe (fewer messages)
 
     def after_fork(self) -> None:
@@ -584,8 +591,11 @@ class Region:
             return None
         try:
             lock.inside = lock.holder
-            at = max(_SEQ.unpack_from(self.mm, SPILL_END)[0], -(-(HEADER + self.cap) // PAGE) * PAGE)
+            if _SEQ.unpack_from(self.mm, SPILL_END)[0]:
+                self._reclaim_locked()
+            at = _SEQ.unpack_from(self.mm, SPILL_END)[0] or self.spill_base
             _SEQ.pack_into(self.mm, SPILL_END, at + -(-len(payload) // PAGE) * PAGE)
+            self.lock_spill(at, len(payload))  # before the lock goes: a reclaim would see it
         finally:
             lock.release()
         view = memoryview(payload)
@@ -594,9 +604,31 @@ class Region:
             while done < len(view):
                 done += os.pwrite(self.fd, view[done:], at + done)
         except BaseException:
-            self.punch(at, len(payload))
+            self.drop_spill(SPILL.pack(at, len(payload)))
             raise
         return SPILL.pack(at, len(payload))
+
+    # A spilled payload's pages are locked (an OFD read lock through this process's hold) from its
+    # place's taking until its record is committed, and again from its record's taking until it
+    # is read: the spill area is given back only while nobody holds such a lock (Region.reclaim).
+
+    def lock_spill(self, at: int, length: int) -> None:
+        if self.fds.hold >= 0 and _OFD_SETLK is not None:
+            fcntl.fcntl(self.fds.hold, _OFD_SETLK, _FLOCK.pack(fcntl.F_RDLCK, os.SEEK_SET, at, length, 0))
+            self.spill_locks += 1
+
+    def spill_done(self, record: bytes) -> None:
+        """The spilled payload ``record`` names is committed (a producer) or read (a consumer)."""
+        hold = self.fds.hold
+        if hold >= 0 and _OFD_SETLK is not None:
+            at, length = SPILL.unpack(record)
+            fcntl.fcntl(hold, _OFD_SETLK, _FLOCK.pack(fcntl.F_UNLCK, os.SEEK_SET, at, length, 0))
+            self.spill_locks = max(0, self.spill_locks - 1)
+
+    def drop_spill(self, record: bytes) -> None:
+        """A spilled payload that will not be committed (its put failed): its pages go back."""
+        self.punch(*SPILL.unpack(record))
+        self.spill_done(record)
 
     def unspill(self, record: bytes) -> bytearray:
         """Read the payload a SPILL record names, then punch its pages out of the file."""
@@ -610,12 +642,52 @@ class Region:
                 raise EOFError(f"a spilled message of {length} bytes ends after {done}")
             done += got
         self.punch(at, length)
+        self.spill_done(record)
+        self.reclaim()
         return data
 
     def punch(self, at: int, length: int) -> None:
         """Give the pages of ``length`` bytes at ``at`` back (the file keeps its size)."""
         if _fallocate is not None and length > 0:
             _fallocate(self.fd, PUNCH_HOLE, at, -(-length // PAGE) * PAGE)
+
+    @property
+    def spill_base(self) -> int:
+        return -(-(HEADER + self.cap) // PAGE) * PAGE
+
+    def reclaim(self, deadline: float | None = _NOW) -> bool:
+        """Give memory back if the queue is empty (True; False when it was not, or the
+        producers' lock was busy): see :meth:`_reclaim_locked`."""
+        lock = self.plock
+        if not lock.acquire(deadline):
+            return False
+        try:
+            lock.inside = lock.holder
+            return self._reclaim_locked()
+        finally:
+            lock.release()
+
+    def _reclaim_locked(self) -> bool:
+        """Under the producers' lock, with no message left to take: the ring's pages go back
+        once RECLAIM_BYTES passed through it since the last time, and the spill area (pages
+        of payloads killed mid-put included; the file shrinks to the ring) once no process
+        holds a spilled payload's lock. Nothing reads the ring's bytes of a taken record, and
+        nothing writes the ring without this lock."""
+        mm = self.mm
+        tail = self._current(self.pseq, P_AT)[1]
+        if self.consumers()[0] < tail:  # a stale head only says "not empty"
+            return False
+        if tail - _SEQ.unpack_from(mm, RING_GIVEN_BACK)[0] >= RECLAIM_BYTES:
+            self.punch(PAGE, (HEADER + self.cap) // PAGE * PAGE - PAGE)
+            _SEQ.pack_into(mm, RING_GIVEN_BACK, tail)
+        hold = self.fds.hold
+        if _SEQ.unpack_from(mm, SPILL_END)[0] and hold >= 0 and _OFD_GETLK is not None and not self.spill_locks:
+            base = self.spill_base
+            got = fcntl.fcntl(hold, _OFD_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, base, 0, 0))
+            if _FLOCK.unpack(got)[0] == fcntl.F_UNLCK:  # nobody writes or reads a spilled payload
+                os.ftruncate(self.fd, base)
+                _SEQ.pack_into(mm, SPILL_END, 0)
+        return True
 
     # -- consumers
 
@@ -653,8 +725,13 @@ class Region:
                 length, kind = RECORD.unpack_from(mm, HEADER)
             start = HEADER + at + 8
             payload = mm[start : start + length]
+            if kind == KIND_SPILL:  # locked before it is taken: a reclaim would see it
+                self.lock_spill(*SPILL.unpack(payload))
+            head += (length + 15) & ~7
+            if head >= self.tail_seen:
+                kind |= DRAINED
             seq = (seq + 1) & 0xFFFFFFFF
-            COPY.pack_into(mm, C_AT[seq & 1], seq, head + ((length + 15) & ~7), nget + 1, done, seq)
+            COPY.pack_into(mm, C_AT[seq & 1], seq, head, nget + 1, done, seq)
             cseq.value = seq  # the commit
         finally:
             lock.release()
@@ -832,6 +909,8 @@ class _Backlog:
                 while True:
                     seen = region.cseq.value  # before the try: a get after it wakes the wait below
                     if not region.put_reserved(data, kind):
+                        if kind == KIND_SPILL:
+                            region.spill_done(data)
                         break
                     region.count_waiter("p", region.put_waiters, 1)
                     region.wait_for_get(seen, WATCH_INTERVAL)
@@ -888,6 +967,7 @@ class Queue:
         self._spin = SpinPolicy(SPIN_SECONDS, adaptive=True)  # how a blocking get() waits
         self._backlog = _Backlog(self._region)
         self._put_any = False  # this process put on it (then it never decides that nobody can put)
+        self._bytes_taken = 0  # bytes this process took from the ring since it last gave memory back
         self._jointhread: Any = None
         self._close: Any = None
         self._on_exit()
@@ -960,6 +1040,8 @@ class Queue:
                     # Behind this process's backlog, or into the ring now.
                     answer = NO_ROOM if backlog.items else region.try_put(data, kind, task, maxsize, patience)
                     if not answer:
+                        if kind == KIND_SPILL:
+                            region.spill_done(data)
                         break
                     if answer == NO_ROOM:  # the backlog's thread writes it, counted now
                         answer = region.reserve(task, maxsize, patience)
@@ -988,7 +1070,7 @@ class Queue:
             backlog.push(data, kind, task, False)
         except BaseException:
             if kind == KIND_SPILL:  # not queued: its pages go back
-                region.punch(*SPILL.unpack(data))
+                region.drop_spill(data)
             raise
         finally:
             region.unleak()
@@ -1017,7 +1099,10 @@ class Queue:
             raise
         if got is not None:
             kind, payload = got
-            return _restore(self._region.unspill(payload) if kind == KIND_SPILL else payload)
+            if kind:  # spilled, or the queue drained
+                return _restore(self._taken(got))
+            self._bytes_taken += len(payload)
+            return _restore(payload)
         if not block:
             raise queue.Empty
         return self._get(timeout)
@@ -1045,8 +1130,7 @@ class Queue:
             if not self._put_any and self._opid != os.getpid() and not region.held_elsewhere():
                 got = region.try_get()
                 if got is not None:
-                    kind, payload = got
-                    return _restore(region.unspill(payload) if kind == KIND_SPILL else payload)
+                    return _restore(self._taken(got))
                 raise OwnerGoneError(
                     f"no other process holds this queue any more: its creator (pid {self._opid}) and every "
                     "process it was passed to have exited or closed it, and it is empty, so nothing more "
@@ -1067,8 +1151,18 @@ class Queue:
             got = self._wait(region, deadline)
         if got is None:
             raise queue.Empty
+        return self._taken(got)
+
+    def _taken(self, got: tuple[int, bytes]) -> bytes | bytearray:
+        """A taken record's message: a spilled one read back; once the queue is empty after
+        RECLAIM_BYTES taken here, its memory is given back (:meth:`Region.reclaim`)."""
         kind, payload = got
-        return region.unspill(payload) if kind == KIND_SPILL else payload
+        if kind == KIND_SPILL or kind == KIND_SPILL | DRAINED:
+            return self._region.unspill(payload)  # which gives back too
+        self._bytes_taken += len(payload)
+        if kind and self._bytes_taken >= RECLAIM_BYTES and self._region.reclaim():
+            self._bytes_taken = 0
+        return payload
 
     def _wait(self, region: Region, deadline: float) -> tuple[int, bytes] | None:
         """Spin a moment if the last wait was as short (a reply is often that near), then
@@ -1128,7 +1222,6 @@ class Queue:
             pass
 
 
-_NOW = 0.0  # a deadline already passed: the lock if free at once, else the answer BUSY
 LOCK_PATIENCE = 0.01  # seconds an unbounded queue's put() waits for the producers' lock, then leaves it to the backlog
 
 

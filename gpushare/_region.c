@@ -133,8 +133,9 @@ static int gsq_put(const struct gsq_layout *r, const char *payload, uint32_t siz
     return 0;
 }
 
-/* Take the oldest record: its payload as a new bytes object (kind in *kind), or NULL with
- * *code GSQ_EMPTY or GSQ_PYTHON (the lock not free at once) and nothing taken; NULL with
+/* Take the oldest record: its payload as a new bytes object (kind in *kind, with 4 (DRAINED)
+ * added when it was the last one committed), or NULL with *code GSQ_EMPTY or GSQ_PYTHON (the
+ * lock not free at once, or a spilled record, which the Python path takes) and nothing taken; NULL with
  * *code 0 when the bytes could not be made (a Python error is set, nothing taken). */
 static PyObject *gsq_get(const struct gsq_layout *r, uint32_t *kind, int *code)
 {
@@ -166,16 +167,21 @@ static PyObject *gsq_get(const struct gsq_layout *r, uint32_t *kind, int *code)
         at = 0;
         memcpy(record, ring, 8);
     }
+    if (record[1] == 2) {                            /* KIND_SPILL: its reader locks its pages first */
+        pthread_mutex_unlock(lock);
+        return NULL;                                 /* GSQ_PYTHON */
+    }
     PyObject *payload = PyBytes_FromStringAndSize(ring + at + 8, record[0]);
     if (payload == NULL) {
         pthread_mutex_unlock(lock);
         *code = 0;
         return NULL;
     }
-    commit(r, r->cseq, r->c_at, seq, head + (((uint64_t)record[0] + 15) & ~(uint64_t)7), nget + 1, done);
+    head += ((uint64_t)record[0] + 15) & ~(uint64_t)7;
+    commit(r, r->cseq, r->c_at, seq, head, nget + 1, done);
     pthread_mutex_unlock(lock);
     wake(r, r->cseq, r->put_waiters, 0x7FFFFFFF);
-    *kind = record[1];
+    *kind = record[1] | (head >= theirs[0] ? 4 : 0); /* DRAINED: nothing more was committed */
     return payload;
 }
 
@@ -251,7 +257,7 @@ static PyObject *Ring_get(Ring *self, PyObject *unused)
         Py_DECREF(pair);
         return code ? PyLong_FromLong(code) : NULL;
     }
-    PyTuple_SET_ITEM(pair, 0, PyLong_FromUnsignedLong(kind));   /* 0 or 2: a cached small int */
+    PyTuple_SET_ITEM(pair, 0, PyLong_FromUnsignedLong(kind));   /* 0 or 4: a cached small int */
     PyTuple_SET_ITEM(pair, 1, payload);
     return pair;
 }

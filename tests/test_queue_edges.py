@@ -469,3 +469,66 @@ if __name__ == "__main__":
 def test_maxsize_and_qsize_count_every_producer(producers, maxsize, size) -> None:
     stdlib, ours = both(BOUNDED, str(producers), str(maxsize), str(size))
     assert stdlib == ours == {"accepted": maxsize, "qsize": maxsize, "full": True}
+
+
+# -- memory given back -------------------------------------------------------------------------------
+
+DRAINED_QUEUES = """
+import json, os, sys
+import gpushare as mp
+
+def resident(queues):
+    return sum(os.fstat(q._region.fd).st_blocks * 512 for q in queues)
+
+if __name__ == "__main__":
+    queues = [mp.Queue() for _ in range(1000)]
+    chunk = b"m" * (128 << 10)
+    for q in queues:  # each carries 1 MiB through its ring, then is drained
+        for _ in range(8):
+            q.put(chunk)
+        for _ in range(8):
+            assert q.get(timeout=10) == chunk
+    print(json.dumps({"MiB": resident(queues) / 2**20}))
+"""
+
+
+def test_drained_queues_give_their_memory_back() -> None:
+    answer = run(DRAINED_QUEUES, "gpushare")
+    assert answer["MiB"] <= 64, answer
+
+
+KILLED_MID_SPILL = """
+import json, os, signal, sys, time
+import gpushare as mp
+
+def put_big(q, ready):
+    real = os.pwrite
+    def half_then_stop(fd, data, at):
+        done = real(fd, data[: len(data) // 2], at)
+        ready.put("half")
+        time.sleep(60)  # SIGKILLed here, its payload half written, its record never committed
+        return done
+    os.pwrite = half_then_stop
+    q.put(b"k" * (32 << 20))
+
+if __name__ == "__main__":
+    q, ready = mp.Queue(), mp.Queue()
+    blocks = lambda: os.fstat(q._region.fd).st_blocks * 512 / 2**20
+    for _ in range(3):
+        p = mp.Process(target=put_big, args=(q, ready))
+        p.start()
+        assert ready.get(timeout=60) == "half"
+        p.kill()
+        p.join()
+    left = blocks()
+    size = os.fstat(q._region.fd).st_size
+    q.put(b"s" * (1 << 20))  # spilled, then taken: the queue is empty and nobody holds a spilled payload
+    assert q.get(timeout=10) == b"s" * (1 << 20)
+    print(json.dumps({"left_MiB": left, "after_MiB": blocks(), "shrank": os.fstat(q._region.fd).st_size < size}))
+"""
+
+
+def test_pages_of_puts_killed_mid_write_go_back_once_the_queue_is_empty() -> None:
+    answer = run(KILLED_MID_SPILL, "gpushare")
+    assert answer["left_MiB"] >= 15  # a half-written 32 MiB payload (each put's spill gave back the one before)
+    assert answer["after_MiB"] <= 2 and answer["shrank"], answer
