@@ -163,9 +163,11 @@ def _futex_wait(addr: int, word: Any, value: int, timeout: float) -> None:
         time.sleep(POLL_SLEEP)
 
 
-def _futex_wake(addr: int, count: int) -> None:
+def _futex_wake(addr: int, count: int) -> int:
+    """Wake up to ``count`` sleepers on the word at ``addr``: how many woke (-1: no futex here)."""
     if _syscall is not None:
-        _syscall(_SYS_FUTEX, ctypes.c_void_p(addr), FUTEX_WAKE, count, None, None, 0)
+        return int(_syscall(_SYS_FUTEX, ctypes.c_void_p(addr), FUTEX_WAKE, count, None, None, 0))
+    return -1
 
 
 def _init_mutex(addr: int) -> None:
@@ -577,7 +579,7 @@ class Region:
         finally:
             lock.release()
         if self.get_waiters.value:  # read after the unlock, which orders it after the commit
-            _futex_wake(self.pseq_addr, 1)
+            self.wake(self.pseq_addr, 1, self.get_waiters, self.clock)
         return 0
 
     def spill(self, payload: bytes, deadline: float | None = None) -> bytes | None:
@@ -736,7 +738,7 @@ class Region:
         finally:
             lock.release()
         if self.put_waiters.value:
-            _futex_wake(self.cseq_addr, WAKE_ALL)
+            self.wake(self.cseq_addr, WAKE_ALL, self.put_waiters, self.plock)
         return kind, payload
 
     def task_done(self) -> None:
@@ -751,7 +753,7 @@ class Region:
         finally:
             lock.release()
         if self.join_waiters.value:
-            _futex_wake(self.cseq_addr, WAKE_ALL)
+            self.wake(self.cseq_addr, WAKE_ALL, self.join_waiters, self.clock)
 
     def unfinished(self) -> int:
         return int(self.producers()[2] - self.consumers()[2])
@@ -765,13 +767,26 @@ class Region:
 
     # -- sleeping
 
+    @staticmethod
+    def wake(addr: int, count: int, waiters: Any, lock: Any) -> None:
+        """Wake sleepers on a commit word after a commit. When none was asleep, a counted waiter
+        not asleep yet sees the commit and will not sleep: the count is stale (a waiter killed
+        while asleep) and is cleared, under the ``lock`` it is kept under if that is free at once,
+        so that later commits make no system call for it."""
+        if _futex_wake(addr, count) == 0 and lock.acquire(_NOW):
+            try:
+                lock.inside = lock.holder
+                waiters.value = 0
+            finally:
+                lock.release()
+
     def count_waiter(self, side: str, word: Any, delta: int) -> None:
         """Add ``delta`` to a waiter count, under the lock of the side that owns it."""
         lock = self.clock if side == "c" else self.plock
         lock.acquire()
         try:
             lock.inside = lock.holder
-            word.value = (word.value + delta) & 0xFFFFFFFF
+            word.value = max(0, word.value + delta)  # a count cleared as stale stays at 0
         finally:
             lock.release()
 

@@ -83,12 +83,23 @@ static int take(pthread_mutex_t *lock)
     return err == 0;
 }
 
-static void wake(const struct gsq_layout *r, uint64_t word_at, uint64_t waiters_at, int count)
+static void wake(const struct gsq_layout *r, uint64_t word_at, uint64_t waiters_at, int count, uint64_t lock_at)
 {
     /* Read after the unlock (a full barrier on x86-64), so after the commit: a waiter that
      * counted itself before this read is woken; one that counts itself later sees the commit. */
-    if (load32(r->base + waiters_at))
-        syscall(SYS_futex, (uint32_t *)(r->base + word_at), FUTEX_WAKE, count, NULL, NULL, 0);
+    if (load32(r->base + waiters_at)) {
+        long woken = syscall(SYS_futex, (uint32_t *)(r->base + word_at), FUTEX_WAKE, count, NULL, NULL, 0);
+        if (woken == 0) {
+            /* Nobody asleep: a counted waiter not asleep yet sees the commit and does not sleep,
+             * so the count is stale (a waiter killed asleep) and goes, under the lock it is kept
+             * under, if that is free at once. */
+            pthread_mutex_t *lock = (pthread_mutex_t *)(r->base + lock_at);
+            if (take(lock)) {
+                __atomic_store_n((uint32_t *)(r->base + waiters_at), 0, __ATOMIC_RELEASE);
+                pthread_mutex_unlock(lock);
+            }
+        }
+    }
 }
 
 /* Put one record: 0 when written and committed; GSQ_FULL (maxsize messages, counting those
@@ -129,7 +140,7 @@ static int gsq_put(const struct gsq_layout *r, const char *payload, uint32_t siz
     memcpy(ring + at + 8, payload, size);
     commit(r, r->pseq, r->p_at, seq, tail + skip + need, nput + 1, tasks + task);
     pthread_mutex_unlock(lock);
-    wake(r, r->pseq, r->get_waiters, 1);
+    wake(r, r->pseq, r->get_waiters, 1, r->clock);
     return 0;
 }
 
@@ -180,7 +191,7 @@ static PyObject *gsq_get(const struct gsq_layout *r, uint32_t *kind, int *code)
     head += ((uint64_t)record[0] + 15) & ~(uint64_t)7;
     commit(r, r->cseq, r->c_at, seq, head, nget + 1, done);
     pthread_mutex_unlock(lock);
-    wake(r, r->cseq, r->put_waiters, 0x7FFFFFFF);
+    wake(r, r->cseq, r->put_waiters, 0x7FFFFFFF, r->plock);
     *kind = record[1] | (head >= theirs[0] ? 4 : 0); /* DRAINED: nothing more was committed */
     return payload;
 }

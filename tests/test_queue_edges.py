@@ -532,3 +532,32 @@ def test_pages_of_puts_killed_mid_write_go_back_once_the_queue_is_empty() -> Non
     answer = run(KILLED_MID_SPILL, "gpushare")
     assert answer["left_MiB"] >= 15  # a half-written 32 MiB payload (each put's spill gave back the one before)
     assert answer["after_MiB"] <= 2 and answer["shrank"], answer
+
+
+KILLED_SLEEPER = """
+import json, os, signal, sys, time
+import gpushare as mp
+
+def sleep_in_get(q):
+    q.get(timeout=60)
+
+if __name__ == "__main__":
+    q = mp.Queue()
+    region = q._region
+    p = mp.Process(target=sleep_in_get, args=(q,))
+    p.start()
+    deadline = time.monotonic() + 30
+    while region.get_waiters.value == 0 and time.monotonic() < deadline:  # counted, asleep
+        time.sleep(0.01)
+    counted = region.get_waiters.value
+    p.kill()
+    p.join()
+    q.put("a")  # wakes nobody: the count is stale
+    after_first = region.get_waiters.value
+    q.get(timeout=5)
+    print(json.dumps({"counted": counted, "after": after_first}))
+"""
+
+
+def test_a_waiter_killed_asleep_leaves_no_count_behind() -> None:
+    assert run(KILLED_SLEEPER, "gpushare") == {"counted": 1, "after": 0}
