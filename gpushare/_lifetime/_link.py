@@ -44,6 +44,7 @@ from ._protocol import (
     RELEASE,
     REQUEST_TIMEOUT,
     RETIRE,
+    SHUT_BEFORE_CLAIM,
     UNMAP,
     Batch,
     Bye,
@@ -480,6 +481,13 @@ class Link(Handler):
         """The error for a use of this owner's memory once it is gone, saying which way it went:
         its Manager was shut down (its process may well be running), this process closed the
         connection, or the owner's process exited or stopped answering."""
+        if self.shut_down and self.gone == SHUT_BEFORE_CLAIM:
+            return OwnerGoneError(
+                "the owner of this buffer (a Manager, or a torch sender) was shut down before this process "
+                "claimed the buffer it received: a shutdown (or a sender's exit) serves shares in flight for up "
+                "to its release_timeout (Manager(release_timeout=...)), and this one was not claimed in time. "
+                "Keep the owner running until its receivers have their buffers"
+            )
         if self.shut_down:
             return OwnerGoneError(
                 "the Manager that owns this buffer was shut down: it shares no memory any more, and this "
@@ -695,7 +703,9 @@ def _connect(address: str, authkey: bytes, link: Link) -> Client:
     except (OSError, EOFError) as exc:
         raise OwnerGoneError(
             f"cannot reach the owner of this buffer at {address} ({exc}): the process that made it "
-            "exited or shut its Manager down"
+            "exited or shut its Manager down (a torch sender: exited) before this process claimed the "
+            "buffer it received. A shutdown serves such in-flight shares for up to its release_timeout "
+            "(Manager(release_timeout=...)); keep the owner running until its receivers have them"
         ) from exc
 
 

@@ -401,9 +401,10 @@ class Owner:
                 if before_bye is not None:
                     before_bye([])
                 return []
-            # Stop sharing: no new consumer, no new lease, nothing pooled.
+            # Stop sharing: no new lease, nothing pooled. Consumers still connect while it
+            # waits: a share already in flight (a buffer put just before the shutdown, its
+            # receiver not connected yet) is still claimed and used.
             self._closed = True
-            self.consumers.close_locked()
             self.pool.close()
             leases.catch_up_locked()
             leases.stop_sharing_locked()
@@ -413,6 +414,7 @@ class Owner:
             while self._awaited_locked(sender_exit) and time.monotonic() < deadline:
                 state.cond.wait(min(0.05, max(0.0, deadline - time.monotonic())))
                 leases.catch_up_locked()
+            self.consumers.close_locked()
             outstanding = leases.held_elsewhere_locked()
             elsewhere = {lease.record for lease in outstanding}
             # Every allocation no other process holds: freed now, or when this process lets go.

@@ -47,6 +47,7 @@ __all__ = [
     "RELEASE",
     "REQUEST_TIMEOUT",
     "RETIRE",
+    "SHUT_BEFORE_CLAIM",
     "Alloc",
     "Batch",
     "Bye",
@@ -216,6 +217,11 @@ class Bye(NamedTuple):
     """The owner shut down."""
 
     reason: str
+
+
+#: Bye's reason to a process that connects once the owner stopped serving: its share was in flight
+#: while the owner waited for such shares (up to its release_timeout) and was not claimed in time.
+SHUT_BEFORE_CLAIM = "shut down before this process claimed the buffer it received"
 
 
 #: The lease service's messages (Ok, OkFd and Err are the answers to requests).

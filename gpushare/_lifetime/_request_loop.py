@@ -27,8 +27,10 @@ from .._errors import DescriptorError, GpushareError, LeaseExpiredWarning, Manag
 from .._service import Channel, Err, Handler, Ok, OkFd, Server, handles
 from ._protocol import (
     LEASE,
+    SHUT_BEFORE_CLAIM,
     Alloc,
     Batch,
+    Bye,
     Claim,
     ClaimFailed,
     Drain,
@@ -100,6 +102,7 @@ class RequestLoop:
         peer = Peer(next(self._conn_ids), channel)
         with self._state.lock:
             if not self._consumers.add_locked(peer):
+                peer.send(Bye(SHUT_BEFORE_CLAIM))
                 return None
         return _Consumer(self, peer)
 
