@@ -54,7 +54,7 @@ test: $(STAMP)
 MATRIX_PYTHONS ?= 3.10 3.11 3.12 3.13
 MATRIX_TESTS   ?= tests/test_queue_edges.py tests/test_queues.py tests/test_queue_native.py \
 	tests/test_queue_chaos.py tests/test_stdin_script.py tests/test_pickling_errors.py tests/test_process_args.py \
-	tests/test_pipes.py
+	tests/test_pipes.py tests/test_dtypes.py tests/test_shutdown_in_flight.py
 .PHONY: test-matrix
 test-matrix:
 	@for v in $(MATRIX_PYTHONS); do \

@@ -24,7 +24,16 @@ from typing import TYPE_CHECKING, Any
 
 from . import _native, _seams
 from ._errors import BufferReleasedError
-from ._memory import Descriptor, Memory, _dtype, descriptor_key, descriptor_layout
+from ._memory import (
+    EXTENSION_DTYPES,
+    Descriptor,
+    Memory,
+    _dtype,
+    _extension_dtype,
+    descriptor_key,
+    descriptor_layout,
+    dtype_text,
+)
 
 if TYPE_CHECKING:
     import numpy as np
@@ -53,12 +62,18 @@ def check_dtype(dtype: object) -> np.dtype[Any]:
     """A NumPy dtype gpushare can share, or a ValueError saying what is valid."""
     import numpy as np
 
+    extension = _extension_dtype(dtype)
+    if extension is not None:
+        return extension
     try:
         dt = np.dtype(dtype)  # type: ignore[call-overload]
     except TypeError as exc:
         raise ValueError(
-            f"dtype={dtype!r} is not a dtype NumPy knows; use e.g. 'float32', 'float16', 'int64', 'uint8'"
+            f"dtype={dtype!r} is not a dtype NumPy knows; use e.g. 'float32', 'float16', 'int64', 'uint8', "
+            f"or one of {', '.join(EXTENSION_DTYPES)} (with ml_dtypes)"
         ) from exc
+    if dt.name in EXTENSION_DTYPES:  # an ml_dtypes dtype object
+        return dt
     if dt.kind not in _SUPPORTED_KINDS or dt.fields is not None or dt.subdtype is not None:
         raise ValueError(
             f"dtype {dt} cannot be shared: only plain bool, integer, float and complex dtypes "
@@ -332,7 +347,8 @@ class Buffer:
         self._check()
         memory = self._memory
         if memory.device is None:
-            return np.asarray(_HostView(self.view()))
+            array = np.asarray(_HostView(self.view()))
+            return array if array.dtype == self._dtype else array.view(self._dtype)  # ml_dtypes' by bytes
         out = np.empty(self._shape, self._dtype)
         if self.nbytes:
             memory.backend.copy_out(out.ctypes.data, self.ptr, self.nbytes, memory.device)
@@ -449,9 +465,11 @@ class _HostView:
 
     def __init__(self, buffer: Buffer) -> None:
         self.buffer = buffer
+        dtype = buffer.dtype
         self.__array_interface__ = {
             "shape": buffer.shape,
-            "typestr": buffer.dtype.str,
+            # An ml_dtypes dtype has no typestr NumPy parses back: its bytes, viewed as it by numpy().
+            "typestr": f"|V{dtype.itemsize}" if dtype.name in EXTENSION_DTYPES else dtype.str,
             "data": (buffer.ptr, False),
             "strides": None,
             "version": 3,
@@ -479,7 +497,7 @@ def _describe(buf: Buffer, memory: Any, lease_id: int, event: bytes, handle: byt
         offset=byte_offset(buf),
         device_uuid=memory.device_uuid,
         handle=handle,
-        dtype=buf.dtype.str,
+        dtype=dtype_text(buf.dtype),
         shape=buf.shape,
         event=event,
     )

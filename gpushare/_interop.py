@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from . import _cuda
+from ._memory import EXTENSION_DTYPES
 
 __all__ = ["copy_from_cuda_array", "cuda_array_interface", "dlpack_device", "exported_buffer", "to_dlpack"]
 
@@ -196,7 +197,7 @@ def to_dlpack(
         raise BufferError("gpushare exports views only (copy=True is not supported); copy on the consumer side")
     if dl_device is not None and tuple(dl_device) != dlpack_device(buf, memory):
         raise BufferError(f"this buffer lives on DLPack device {dlpack_device(buf, memory)}, not {tuple(dl_device)}")
-    if memory.device is None:
+    if memory.device is None and buf.dtype.name not in EXTENSION_DTYPES:  # NumPy exports host memory
         view = buf.numpy()
         if max_version is None:
             return view.__dlpack__()
@@ -212,10 +213,12 @@ def to_dlpack(
     managed = _DLManagedTensor()
     tensor = managed.dl_tensor
     tensor.data = address
-    tensor.device = _DLDevice(KDL_CUDA, memory.device)
+    tensor.device = _DLDevice(KDL_CPU, 0) if memory.device is None else _DLDevice(KDL_CUDA, memory.device)
     tensor.ndim = ndim
-    kind = "b" if buf.dtype == np.bool_ else buf.dtype.kind
-    tensor.dtype = _DLDataType(_DL_CODES[kind], buf.dtype.itemsize * 8, 1)
+    code = EXTENSION_DTYPES.get(buf.dtype.name)  # bfloat16, float8 (ml_dtypes): their own codes
+    if code is None:
+        code = _DL_CODES["b" if buf.dtype == np.bool_ else buf.dtype.kind]
+    tensor.dtype = _DLDataType(code, buf.dtype.itemsize * 8, 1)
     tensor.shape = ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64))
     tensor.strides = ctypes.cast(strides, ctypes.POINTER(ctypes.c_int64))
     tensor.byte_offset = 0

@@ -321,7 +321,9 @@ class BufferManager(SyncManager):
         return Buffer(memory, 0, dims, dt)
 
     def zeros(self, shape: Any, dtype: Any = "float32", device: Any = None, *, backend: str | None = None) -> Buffer:
-        return self.empty(shape, dtype, device, backend=backend).fill(0)
+        buf = self.empty(shape, dtype, device, backend=backend)
+        buf.view("uint8", (buf.nbytes,)).fill(0)  # zero bytes, as numpy.zeros (float8_e8m0fnu has no 0.0)
+        return buf
 
     def full(
         self, shape: Any, value: Any, dtype: Any = "float32", device: Any = None, *, backend: str | None = None

@@ -180,11 +180,56 @@ _MAX_NDIM = 32
 _MAX_FIELD = 4096
 
 
+#: The dtypes NumPy lacks that torch and JAX share, by name, with their DLPack type codes. NumPy
+#: knows them once ml_dtypes (the package JAX uses) is imported; gpushare imports it when one is
+#: asked for. A descriptor names them by name (their ``dtype.str`` is an opaque ``'<V2'``).
+EXTENSION_DTYPES = {
+    "bfloat16": 4,
+    "float8_e4m3fn": 10,
+    "float8_e4m3fnuz": 11,
+    "float8_e5m2": 12,
+    "float8_e5m2fnuz": 13,
+    "float8_e8m0fnu": 14,
+}
+
+
+def _extension_dtype(dtype: object) -> np.dtype[Any] | None:
+    """The ml_dtypes dtype ``dtype`` names (a name, or an ml_dtypes type), None if it names none
+    of EXTENSION_DTYPES; a ValueError naming the fix where ml_dtypes is not installed."""
+    name = dtype if isinstance(dtype, str) else getattr(dtype, "__name__", None)
+    if name not in EXTENSION_DTYPES:
+        return None
+    try:
+        import ml_dtypes
+    except ImportError:
+        raise ValueError(
+            f"dtype {name!r} needs the ml_dtypes package, which gives NumPy the dtypes torch and JAX share "
+            "(bfloat16, the float8 kinds): pip install ml_dtypes"
+        ) from None
+    import numpy as np
+
+    return np.dtype(getattr(ml_dtypes, name))
+
+
+def dtype_text(dt: np.dtype[Any]) -> str:
+    """How a descriptor names ``dt``: its ``str``, or its name for an ml_dtypes dtype."""
+    return dt.name if dt.name in EXTENSION_DTYPES else dt.str
+
+
 @lru_cache(maxsize=64)  # every arriving buffer asks; np.dtype(text) is slow (dev/performance.md, "Hot-path choices")
 def _dtype(text: str) -> np.dtype[Any]:
     import numpy as np  # on the first descriptor of each dtype only (cached)
 
-    return np.dtype(text)
+    try:
+        return np.dtype(text)
+    except TypeError:  # bfloat16 and friends, by name: NumPy knows them once ml_dtypes is imported
+        try:
+            dt = _extension_dtype(text)
+        except ValueError as exc:
+            raise TypeError(str(exc)) from None
+        if dt is None:
+            raise
+        return dt
 
 
 class Descriptor(NamedTuple):
@@ -330,7 +375,7 @@ class Descriptor(NamedTuple):
             offset,
             uuid if backend != "host" else b"",
             fields[1],
-            dtype.str,
+            dtype_text(dtype),
             tuple(shape),
             fields[3],
         )
