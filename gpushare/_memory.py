@@ -211,6 +211,7 @@ def _extension_dtype(dtype: object) -> np.dtype[Any] | None:
     return np.dtype(getattr(ml_dtypes, name))
 
 
+@lru_cache(maxsize=64)  # once per dtype: a pickled buffer asks, and dtype.name is built at each call
 def dtype_text(dt: np.dtype[Any]) -> str:
     """How a descriptor names ``dt``: its ``str``, or its name for an ml_dtypes dtype."""
     return dt.name if dt.name in EXTENSION_DTYPES else dt.str
