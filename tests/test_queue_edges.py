@@ -187,9 +187,10 @@ if __name__ == "__main__":
 
 
 def test_a_signal_handler_that_puts_never_wedges_its_process() -> None:
+    # gpushare only: multiprocessing's put() takes a thread lock that a handler interrupting its own
+    # put() waits for forever (seen in this very script, on a loaded 2-core machine).
     for _ in range(5):
-        stdlib, ours = both(HANDLER_PUTS, timeout=90)
-        assert stdlib == ours == {"main": 40, "all": True, "any": True}
+        assert run(HANDLER_PUTS, "gpushare", timeout=90) == {"main": 40, "all": True, "any": True}
 
 
 REENTERED_GET = """
