@@ -49,7 +49,7 @@ if __name__ == "__main__":
 """
 
 
-def _run(backend: str, delay: float, timeout: float) -> tuple[float, list[str], str]:
+def _run_producer(backend: str, delay: float, timeout: float) -> tuple[float, list[str], str]:
     done = subprocess.run(
         [sys.executable, "-c", SCRIPT, backend, str(delay), str(timeout)],
         env=subprocess_env(),
@@ -67,14 +67,14 @@ def _run(backend: str, delay: float, timeout: float) -> tuple[float, list[str], 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_buffers_put_just_before_a_shutdown_are_delivered(backend) -> None:
-    shutdown, got, stderr = _run(backend, 0.0, 30.0)
+    shutdown, got, stderr = _run_producer(backend, 0.0, 30.0)
     assert got == ["1024.0"] * 3, got
     assert shutdown < 20, shutdown  # as soon as the workers let go, not the whole 30 s
     assert "LeakWarning" not in stderr and "leaked" not in stderr, stderr[-3000:]
 
 
 def test_a_share_claimed_after_the_bound_says_it_came_too_late() -> None:
-    shutdown, got, _ = _run("host", 3.0, 0.5)
+    shutdown, got, _ = _run_producer("host", 3.0, 0.5)
     assert shutdown < 3.0, shutdown
     assert len(got) == 3
     for message in got:
