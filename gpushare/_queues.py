@@ -463,12 +463,13 @@ class Region:
         self.fds.let_go()
 
     def held_elsewhere(self) -> bool:
-        """Whether some other process holds the queue (may still put); True where that cannot be known."""
-        hold = self.fds.hold
-        if hold < 0 or _OFD_GETLK is None:
+        """Whether some other process holds the queue (may still put or get); True where that
+        cannot be known. Once this process let go, any hold found is another's."""
+        fd = self.fds.hold if self.fds.hold >= 0 else self.fds.fd
+        if fd < 0 or _OFD_GETLK is None:
             return True
         try:
-            got = fcntl.fcntl(hold, _OFD_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, HOLD_BYTE, 1, 0))
+            got = fcntl.fcntl(fd, _OFD_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, HOLD_BYTE, 1, 0))
         except OSError:
             return True
         return bool(_FLOCK.unpack(got)[0] != fcntl.F_UNLCK)
@@ -958,6 +959,12 @@ def _after_fork_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def put_on_and_held_elsewhere() -> bool:
+    """Whether another process holds a queue this process put on (at its exit: may still get
+    what this process put there)."""
+    return any(q._put_any and q._region.held_elsewhere() for q in list(_live))
 
 
 class Queue:

@@ -485,8 +485,9 @@ class Link(Handler):
             return OwnerGoneError(
                 "the owner of this buffer (a Manager, or a torch sender) was shut down before this process "
                 "claimed the buffer it received: a shutdown (or a sender's exit) serves shares in flight for up "
-                "to its release_timeout (Manager(release_timeout=...)), and this one was not claimed in time. "
-                "Keep the owner running until its receivers have their buffers"
+                "to its release_timeout (Manager(release_timeout=...); a torch sender's: "
+                "gpushare.torch.multiprocessing.set_release_timeout()), and this one was not claimed in time. "
+                "Keep the owner running until its receivers have their buffers, or raise that bound"
             )
         if self.shut_down:
             return OwnerGoneError(
@@ -705,7 +706,8 @@ def _connect(address: str, authkey: bytes, link: Link) -> Client:
             f"cannot reach the owner of this buffer at {address} ({exc}): the process that made it "
             "exited or shut its Manager down (a torch sender: exited) before this process claimed the "
             "buffer it received. A shutdown serves such in-flight shares for up to its release_timeout "
-            "(Manager(release_timeout=...)); keep the owner running until its receivers have them"
+            "(Manager(release_timeout=...); a torch sender's: gpushare.torch.multiprocessing.set_release_timeout()); "
+            "keep the owner running until its receivers have them, or raise that bound"
         ) from exc
 
 

@@ -383,6 +383,7 @@ class Owner:
         before_bye: Callable[[list[str]], object] | None = None,
         *,
         sender_exit: bool = False,
+        may_claim: Callable[[], bool] | None = None,
     ) -> list[str]:
         """Wait (bounded) for leases, report leaks, free everything free, stop serving.
 
@@ -390,9 +391,14 @@ class Owner:
         ``before_bye`` just before telling the consumers ``Bye`` (a client of a
         server-owned Manager asked for this shutdown over its own connection,
         and raises the warning again in its process). ``sender_exit``: the torch
-        drop-in's owner, at its process's exit; an unclaimed lease is waited for
-        only while some consumer is connected (a tensor left in a queue that nobody
-        reads must not hold the exit up), and the warning speaks of sent tensors."""
+        drop-in's owner, at its process's exit; the warning speaks of sent tensors, and an
+        unclaimed lease is waited for only while some process may still claim it: a consumer
+        is connected, or ``may_claim()`` says so (a tensor left in a queue that no process can
+        read any more must not hold the exit up).
+
+        While it waits, a process holding a lease may still lease the memory again for a
+        process it sends it on to (``LeaseVia``): a relay delivers what was sent before the
+        shutdown."""
         timeout = self.shutdown_timeout if timeout is None else timeout
         state = self._state
         leases = self.leases
@@ -411,7 +417,7 @@ class Owner:
             # Leases held in this process are waited for no more than the owner's own
             # references: their memory stays valid here until they go, then it is freed.
             deadline = time.monotonic() + timeout
-            while self._awaited_locked(sender_exit) and time.monotonic() < deadline:
+            while self._awaited_locked(sender_exit, may_claim) and time.monotonic() < deadline:
                 state.cond.wait(min(0.05, max(0.0, deadline - time.monotonic())))
                 leases.catch_up_locked()
             self.consumers.close_locked()
@@ -428,7 +434,11 @@ class Owner:
             holders = sorted({self._holder_name(lease) for lease in outstanding})
             with state.lock:
                 self.unmapper.leaked.extend({lease.record for lease in outstanding})
-            waited = f"after {timeout:g} s" if time.monotonic() >= deadline else "with no consumer connected"
+            waited = (
+                f"after {timeout:g} s"
+                if time.monotonic() >= deadline
+                else "with no consumer connected and no process left that could take them"
+            )
             if sender_exit:
                 what = f"this process exits with {len(outstanding)} lease(s) on CUDA tensors it sent outstanding"
                 then = (
@@ -468,11 +478,12 @@ class Owner:
             _owners.pop(self.token, None)
         return messages
 
-    def _awaited_locked(self, sender_exit: bool) -> bool:
+    def _awaited_locked(self, sender_exit: bool, may_claim: Callable[[], bool] | None) -> bool:
         """Whether shutdown still waits: a lease held elsewhere, or unclaimed (and, at a
-        ``sender_exit``, some consumer connected that could claim it)."""
+        ``sender_exit``, some process that may claim it: a consumer connected, or
+        ``may_claim()``)."""
         held = self.leases.held_elsewhere_locked()
-        if sender_exit and not len(self.consumers):
+        if sender_exit and not len(self.consumers) and not (may_claim is not None and may_claim()):
             return any(lease.holder is not None for lease in held)
         return bool(held)
 

@@ -413,13 +413,21 @@ class LeaseTable:
 
     # -- taking, claiming, releasing -----------------------------------------------------
     def take(
-        self, record: AllocRecord, generation: int, record_event: bool = True, stream: int = 0, keep: Any = None
+        self,
+        record: AllocRecord,
+        generation: int,
+        record_event: bool = True,
+        stream: int = 0,
+        keep: Any = None,
+        reshare: bool = False,
     ) -> tuple[int, bytes, bytes]:
         """A new unclaimed lease on ``record`` (one pickling of a buffer): ``(lease id, ready
         event, handle)``. The event, recorded on ``stream`` (0: the legacy default stream), is
         empty for host memory, or when ``record_event`` is false (a re-sharing process records
         its own); the handle is what another process maps the allocation with (exported on
-        the first share). ``keep``: see ``Lease.keep``."""
+        the first share). ``keep``: see ``Lease.keep``. ``reshare``: a lease for a process that
+        re-shares what it holds (:meth:`lease_via`), still taken while a shutdown waits: a relay
+        delivers what its source sent before it stopped."""
         state = self._state
         with state.lock:
             # Not the journals: a new lease on an allocation the caller holds depends on
@@ -427,7 +435,7 @@ class LeaseTable:
             # consumers cost N*N reads (the housekeeper reads them every 0.2 s).
             self.catch_up_locked(journals=False)
             check_alive(record)
-            if not self._sharing:
+            if not self._sharing and not reshare:
                 raise ManagerClosedError("the Manager is shutting down; it shares no more buffers")
             if record.generation != generation:
                 raise DescriptorError("this buffer's allocation was recycled; it cannot be shared any more")
@@ -480,7 +488,7 @@ class LeaseTable:
         if lease is None or not held:
             raise DescriptorError(f"allocation {alloc_id} is not leased to this process")
         # Foreign memory: the new lease keeps the part allocated too, whoever lets go first.
-        return self.take(lease.record, generation, record_event=False, keep=lease.keep)[0]
+        return self.take(lease.record, generation, record_event=False, keep=lease.keep, reshare=True)[0]
 
     def quiet(self, lease_id: int) -> None:
         """Mark an unclaimed lease quiet (see ``Lease.quiet``): a Ray object's."""

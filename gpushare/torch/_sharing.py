@@ -23,7 +23,7 @@ import functools
 import os
 import threading
 import weakref
-from multiprocessing import current_process, util
+from multiprocessing import active_children, current_process, util
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -33,12 +33,61 @@ import torch.multiprocessing.reductions as _torch_reductions
 from .._buffer import Buffer, memory_of, rebuild_buffer, share_bytes
 from .._interop import exported_buffer
 from .._process import pickled_directly
-from .._queues import CLOSE_PRIORITY
+from .._queues import CLOSE_PRIORITY, put_on_and_held_elsewhere
 
-__all__ = ["init_reductions", "rebuild_cuda_tensor", "reduce_tensor", "sharing_owner"]
+__all__ = [
+    "get_release_timeout",
+    "init_reductions",
+    "rebuild_cuda_tensor",
+    "reduce_tensor",
+    "set_release_timeout",
+    "sharing_owner",
+]
 
 _owner: Any = None
 _owner_lock = threading.Lock()
+#: Seconds a sender's exit waits, at most, for its tensors in flight to be claimed and let go.
+_release_timeout = 5.0
+
+
+def set_release_timeout(seconds: float) -> None:
+    """How long this process's exit waits, at most, for the CUDA tensors it sent.
+
+    At exit the sender keeps serving its receivers until every tensor it sent and that some
+    process may still take (a consumer is connected, a child of this process runs, or another
+    process holds a queue this process put on) has been claimed and let go, or until
+    ``seconds`` have passed (5 by default), whichever comes first. Like
+    ``Manager(release_timeout=...)``.
+
+    Parameters
+    ----------
+    seconds : float
+        The bound, zero or more.
+
+    Raises
+    ------
+    ValueError
+        If ``seconds`` is negative or not a number.
+    """
+    global _release_timeout
+    value = float(seconds)
+    if not value >= 0.0:
+        raise ValueError(f"set_release_timeout() needs a number of seconds >= 0, not {seconds!r}")
+    _release_timeout = value
+    owner = _owner
+    if owner is not None:
+        owner.shutdown_timeout = value
+
+
+def get_release_timeout() -> float:
+    """The bound of :func:`set_release_timeout`, in seconds."""
+    return _release_timeout
+
+
+def _may_claim() -> bool:
+    """At this process's exit: whether a tensor it sent and nobody claimed yet may still be:
+    a child of this process runs, or another process holds a queue this process put on."""
+    return bool(active_children()) or put_on_and_held_elsewhere()
 
 
 def sharing_owner() -> Any:
@@ -51,14 +100,14 @@ def sharing_owner() -> Any:
             if owner is None:
                 from .._lifetime._owner import Owner
 
-                owner = Owner(authkey=bytes(current_process().authkey))
-                # After this process's queues announce its exit (so that a receiver blocked on
-                # one raises OwnerGoneError at once, not after the wait for leases), and before
-                # multiprocessing joins the children. A tensor left unclaimed in a queue holds
-                # the exit up only while a receiver is connected to take it.
+                owner = Owner(authkey=bytes(current_process().authkey), shutdown_timeout=_release_timeout)
+                # After this process's queues let go (so that a receiver blocked on one that
+                # no other process holds raises OwnerGoneError at once, not after the wait for
+                # leases), and before multiprocessing joins the children. A tensor left
+                # unclaimed holds the exit up only while some process may still take it.
                 util.Finalize(
                     None,
-                    functools.partial(owner.shutdown, sender_exit=True),
+                    functools.partial(owner.shutdown, sender_exit=True, may_claim=_may_claim),
                     exitpriority=CLOSE_PRIORITY - 1,
                 )
                 _owner = owner

@@ -36,7 +36,7 @@ from torch.multiprocessing import (  # noqa: F401 (reductions, the thread names:
 
 import gpushare as _gpushare
 
-from ._sharing import init_reductions
+from ._sharing import get_release_timeout, init_reductions, set_release_timeout
 
 _NAMES = list(_multiprocessing.__all__)
 globals().update((name, getattr(_gpushare, name)) for name in _NAMES)
@@ -50,7 +50,9 @@ __all__ = [
     "ProcessRaisedException",
     "SpawnContext",
     "get_all_sharing_strategies",
+    "get_release_timeout",
     "get_sharing_strategy",
+    "set_release_timeout",
     "set_sharing_strategy",
     "spawn",
     "start_processes",
