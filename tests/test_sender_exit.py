@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import subprocess_env
+from conftest import subprocess_env, wait_until
 
 torch = pytest.importorskip("torch")
 
@@ -76,9 +76,13 @@ def send_and_return(q, where, count, timeout, returned) -> None:
         pass
 
 
-def hold_past_the_sender(q, report, returned, gone, where, count) -> None:
-    """Once the sender's target returned, take ``count`` items, hold them until the sender's
-    process has gone, fill other memory, then read them."""
+def hold_past_the_sender(q, report, ready, returned, gone, where, count) -> None:
+    """Say it is ready; once the sender's target returned, take ``count`` items, hold them
+    until the sender's process has gone, fill other memory, then read them."""
+    if where == "cuda":
+        torch.cuda.init()
+    with open(ready, "w"):
+        pass
     while not os.path.exists(returned):
         time.sleep(0.01)
     held = [q.get(timeout=60) for _ in range(count)]
@@ -199,12 +203,13 @@ def test_a_sibling_sender_waits_for_its_claims_and_receivers_keep_their_items(tm
     """The sender, a child, puts 4 items and returns before its sibling consumer takes any: its
     exit waits until they are claimed. The consumer holds them past the sender's
     release_timeout (1 s) and its exit, and still reads the values sent."""
-    report, returned, gone = (str(tmp_path / name) for name in ("report", "returned", "gone"))
+    report, ready, returned, gone = (str(tmp_path / name) for name in ("report", "ready", "returned", "gone"))
     q = mp.Queue()
-    consumer = mp.Process(target=hold_past_the_sender, args=(q, report, returned, gone, where, 4))
+    consumer = mp.Process(target=hold_past_the_sender, args=(q, report, ready, returned, gone, where, 4))
     sender = mp.Process(target=send_and_return, args=(q, where, 4, 1.0, returned))
     reap.extend([consumer, sender])
     consumer.start()
+    wait_until(lambda: os.path.exists(ready), timeout=60)  # started: it takes them at once
     sender.start()
     sender.join(60)
     assert sender.exitcode == 0
