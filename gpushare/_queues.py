@@ -441,6 +441,7 @@ class Region:
                 start, self.cap, self.spill_over, HEADER, (PSEQ, CSEQ, GET_WAITERS, PUT_WAITERS, BACKLOGGED),
                 (P_AT, C_AT), (P_MUTEX, P_MUTEX if ONE_LOCK else C_MUTEX),
             )  # fmt: skip
+        self.can_punch = _fallocate is not None  # see punch()
         self.head_seen = 0  # the consumers' head as last read: stale is safe (less room)
         self.spill_locks = 0  # spilled payloads this process has locked (writing, or reading)
         self.tail_seen = 0  # the producers' tail as last read: stale is safe (fewer messages)
@@ -649,10 +650,18 @@ class Region:
         self.reclaim()
         return data
 
-    def punch(self, at: int, length: int) -> None:
-        """Give the pages of ``length`` bytes at ``at`` back (the file keeps its size)."""
-        if _fallocate is not None and length > 0:
-            _fallocate(self.fd, PUNCH_HOLE, at, -(-length // PAGE) * PAGE)
+    def punch(self, at: int, length: int) -> bool:
+        """Give the pages of ``length`` bytes at ``at`` back (the file keeps its size); False
+        where they stay. A file system that cannot punch holes (``EOPNOTSUPP``, a portable
+        queue's file elsewhere than tmpfs) is not asked again; an empty queue's spill area
+        still goes back by truncation (:meth:`_reclaim_locked`)."""
+        if not self.can_punch or length <= 0 or _fallocate is None:
+            return False
+        if _fallocate(self.fd, PUNCH_HOLE, at, -(-length // PAGE) * PAGE) == 0:
+            return True
+        if ctypes.get_errno() in (errno.EOPNOTSUPP, errno.ENOSYS):
+            self.can_punch = False
+        return False
 
     @property
     def spill_base(self) -> int:
@@ -670,6 +679,26 @@ class Region:
         finally:
             lock.release()
 
+    def _give_back_ring(self, given: int, tail: int) -> None:
+        """Punch the ring's pages written since position ``given``, all dead (the queue is
+        empty), but the one the next record starts in: a stream of small messages would
+        fault it straight back in, in every process. Neither the header's page nor the
+        ring's last, partial one is punched."""
+        cap = self.cap
+        first, end = 1, (HEADER + cap) // PAGE  # whole ring pages: [first, end)
+        keep = (HEADER + tail % cap) // PAGE
+        if tail - given >= cap:
+            spans = [(first, end)]
+        else:
+            start = (HEADER + given % cap) // PAGE
+            spans = [(start, keep + 1)] if given % cap <= tail % cap else [(start, end), (first, keep + 1)]
+        for lo, hi in spans:
+            for a, b in ((lo, min(hi, keep)), (max(lo, keep + 1), hi)):
+                a = max(a, first)
+                b = min(b, end)
+                if a < b:
+                    self.punch(a * PAGE, (b - a) * PAGE)
+
     def _reclaim_locked(self) -> bool:
         """Under the producers' lock, with no message left to take: the ring's pages go back
         once RECLAIM_BYTES passed through it since the last time, and the spill area (pages
@@ -680,8 +709,9 @@ class Region:
         tail = self._current(self.pseq, P_AT)[1]
         if self.consumers()[0] < tail:  # a stale head only says "not empty"
             return False
-        if tail - _SEQ.unpack_from(mm, RING_GIVEN_BACK)[0] >= RECLAIM_BYTES:
-            self.punch(PAGE, (HEADER + self.cap) // PAGE * PAGE - PAGE)
+        given = _SEQ.unpack_from(mm, RING_GIVEN_BACK)[0]
+        if tail - given >= RECLAIM_BYTES:
+            self._give_back_ring(given, tail)
             _SEQ.pack_into(mm, RING_GIVEN_BACK, tail)
         hold = self.fds.hold
         if _SEQ.unpack_from(mm, SPILL_END)[0] and hold >= 0 and _OFD_GETLK is not None and not self.spill_locks:
@@ -1121,8 +1151,12 @@ class Queue:
             raise
         if got is not None:
             kind, payload = got
-            if kind:  # spilled, or the queue drained
-                return _restore(self._taken(got))
+            if kind:
+                if kind != DRAINED:  # spilled
+                    return _restore(self._taken(got))
+                taken = self._bytes_taken + len(payload)  # the queue drained: maybe give memory back
+                self._bytes_taken = 0 if taken >= RECLAIM_BYTES and self._region.reclaim() else taken
+                return _restore(payload)
             self._bytes_taken += len(payload)
             return _restore(payload)
         if not block:

@@ -498,6 +498,43 @@ def test_drained_queues_give_their_memory_back() -> None:
     assert answer["MiB"] <= 64, answer
 
 
+NO_HOLES = """
+import ctypes, errno, json, os, sys
+import gpushare as mp
+from gpushare import _queues
+
+calls = []
+def refuse(fd, mode, at, length):  # a file system without hole punching
+    calls.append(length)
+    ctypes.set_errno(errno.EOPNOTSUPP)
+    return -1
+_queues._fallocate = refuse
+
+if __name__ == "__main__":
+    q = mp.Queue()
+    q._region.can_punch = True  # made before the patch could count: it would punch
+    small = [os.urandom(200) for _ in range(10000)]  # 2 MiB through the ring: gives back twice or more
+    got = []
+    for m in small:
+        q.put(m)
+        got.append(q.get(timeout=10))
+    big = os.urandom(4 << 20)  # spilled past the ring
+    size = os.fstat(q._region.fd).st_size
+    q.put(big)
+    grown = os.fstat(q._region.fd).st_size
+    ok_big = q.get(timeout=10) == big
+    print(json.dumps({"intact": got == small and ok_big, "calls": len(calls), "can_punch": q._region.can_punch,
+                      "grew": grown >= size + len(big), "shrank": os.fstat(q._region.fd).st_size < size + 8192}))
+"""
+
+
+def test_a_file_system_without_holes_loses_nothing_and_is_asked_once() -> None:
+    """fallocate's punch refused (EOPNOTSUPP): every message arrives whole, the region stops
+    asking, and an empty queue's spill area still goes back by truncation."""
+    answer = run(NO_HOLES, "gpushare")
+    assert answer == {"intact": True, "calls": 1, "can_punch": False, "grew": True, "shrank": True}, answer
+
+
 KILLED_MID_SPILL = """
 import json, os, signal, sys, time
 import gpushare as mp
