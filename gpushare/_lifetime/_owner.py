@@ -442,8 +442,10 @@ class Owner:
             if sender_exit:
                 what = f"this process exits with {len(outstanding)} lease(s) on CUDA tensors it sent outstanding"
                 then = (
-                    "Their memory goes with this process; receivers get OwnerGoneError. Keep the sender running "
-                    "until receivers let go, or send tensors over Manager(owner='server') buffers, which outlive it"
+                    "One not yet claimed can no longer be (its receiver's get() raises OwnerGoneError); one held "
+                    "stays mapped in its receiver but cannot be sent on. Keep the sender running until receivers "
+                    "let go, raise gpushare.torch.multiprocessing.set_release_timeout(), or send tensors over "
+                    "Manager(owner='server') buffers, which outlive it"
                 )
             else:
                 what = f"Manager shut down with {len(outstanding)} lease(s) outstanding"
