@@ -35,6 +35,7 @@ from conftest import (
     CUDA_BACKENDS,
     GPU_TIMEOUT,
     MiB,
+    assert_prompt,
     device_for,
     fill_behind_a_running_kernel,
     join_ok,
@@ -259,7 +260,7 @@ def test_a_slow_unmap_holds_back_no_reply_to_that_process(manager, reap) -> None
     trimmer.join(TIMEOUT)
     assert answered == "answered"
     assert freed == [mp.GRANULARITY]  # freed once the slow close was done and answered
-    assert seconds < 0.5, f"the owner's reply waited {seconds:.2f} s behind the close"
+    assert_prompt(seconds, 0.5, "the owner's reply, a 1 s close under way", cap=0.9)
     jobs.put("go")
 
 
@@ -525,7 +526,7 @@ def test_the_first_lease_starts_the_export_and_never_waits_for_one(driver: Drive
     began = time.monotonic()
     backend.export(second)  # queued behind it, without waiting for it
     backend.export(second)  # a second lease queues nothing more
-    assert time.monotonic() - began < 0.5
+    assert_prompt(time.monotonic() - began, 0.5, "two exports queued behind a running one")
     assert driver.exported == []
     driver.go.set()
     wait_until(lambda: driver.exported == ["first", "second"], timeout=10.0, interval=0.005)

@@ -24,7 +24,7 @@ import signal
 import time
 
 import pytest
-from conftest import BACKENDS, device_for, guarded, kill_quietly, recv, start_guarded, wait_until
+from conftest import BACKENDS, assert_prompt, device_for, guarded, kill_quietly, recv, start_guarded, wait_until
 from workers import total, w_hold_until_told, w_touch_when_told
 
 import gpushare as mp
@@ -190,9 +190,8 @@ def test_consumer_sigkilled_while_holding_buffers(manager, reap, backend) -> Non
 
     killed = time.monotonic()
     os.kill(victim.pid, signal.SIGKILL)
-    wait_until(lambda: manager.stats()["leases"] == 1, timeout=2.0, interval=0.005)
-    reclaimed = time.monotonic() - killed
-    assert reclaimed < 1.0, f"leases came back {reclaimed:.2f} s after the kill"
+    wait_until(lambda: manager.stats()["leases"] == 1, timeout=30, interval=0.005)
+    assert_prompt(time.monotonic() - killed, 1.0, "taking back a killed consumer's leases")
 
     control.put("go")  # the other consumer is unaffected
     assert recv(out, waiting_for="the survivor's read after the kill") == ("after", 1024.0)
@@ -289,7 +288,7 @@ def test_shutdown_with_outstanding_leases_is_bounded_and_names_them(reap, backen
     started = time.monotonic()
     with pytest.warns(mp.LeakWarning, match=rf"{label}, held by pid {proc.pid}"):
         m.shutdown()
-    assert time.monotonic() - started < 3.0
+    assert_prompt(time.monotonic() - started, 3.0, "a shutdown with release_timeout=0.3", cap=4.5)  # not 5 s
     control.put("go")
     kind, message = recv(out)
     assert kind == "OwnerGoneError" and "shut down" in message
@@ -373,7 +372,7 @@ def test_server_owned_buffers_outlive_their_producer(reap, backend, how) -> None
         assert producer.exitcode == (-signal.SIGKILL if how == "sigkill" else 0)
         # A returning producer neither waits out release_timeout (5 s) for the consumer's
         # lease nor stops the server that owns the memory.
-        assert ended < 2.5, f"the producer took {ended:.1f} s to end"
+        assert_prompt(ended, 2.5, "the producer's end", cap=4.5)  # not release_timeout's 5 s
         time.sleep(0.5)
         assert process_alive(server_pid, sentinel=False)  # the memory's owner outlives the process that asked for it
         control.put("go")

@@ -55,7 +55,7 @@ def values(obj: object) -> tuple[float, float]:
 # -- children (module level: spawn imports them by name) --------------------------------------
 
 
-def take_late(q, report, delay, count) -> None:
+def take_after(q, report, delay, count) -> None:
     """Connect only ``delay`` s after starting; take ``count`` items and write what they held."""
     time.sleep(delay)
     got = []
@@ -139,11 +139,11 @@ _SENDER = """
 import sys, time
 sys.path.insert(0, {tests!r})
 import gpushare.torch.multiprocessing as mp
-from test_sender_exit import item, take_late
+from test_sender_exit import item, take_after
 if __name__ == "__main__":
     {setup}
     q = mp.Queue()
-    p = mp.Process(target=take_late, args=(q, {report!r}, {delay}, {count}))
+    p = mp.Process(target=take_after, args=(q, {report!r}, {delay}, {count}))
     p.start()
     for i in range({count}):
         q.put(item(float(i), {where!r}))  # dropped at once

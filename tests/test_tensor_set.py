@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from conftest import (
     GPU_TIMEOUT,
+    assert_prompt,
     clean_up_after,
     fill_behind_a_running_kernel,
     recv,
@@ -511,8 +512,8 @@ def test_a_sigkilled_engine_gives_its_version_back_within_a_second(manager, reap
             ts.publish(ts_weights(2), timeout=0.1)
         os.kill(victim.pid, signal.SIGKILL)
         killed = time.monotonic()
-        assert ts.publish(ts_weights(2), timeout=5) == 2
-        assert time.monotonic() - killed < 1.0
+        assert ts.publish(ts_weights(2), timeout=30) == 2
+        assert_prompt(time.monotonic() - killed, 1.0, "publishing past a killed reader")
         assert ts.stats()["readers"] == 0
 
 
