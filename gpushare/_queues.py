@@ -86,6 +86,11 @@ DRAINED = 4  # added to a taken record's kind when it was the last one committed
 #: Once a consumer took this many bytes and emptied the queue, the ring's pages go back (Region.reclaim):
 #: a drained queue keeps at most this much of its ring resident.
 RECLAIM_BYTES = 32 << 10
+#: A process gives one queue's ring pages back at most RECLAIM_BURST times at once, then
+#: RECLAIM_RATE times a second: a busy stream is not punched every RECLAIM_BYTES. A drain past
+#: that gives them back when a get of this process next sleeps on the empty queue.
+RECLAIM_BURST = 4
+RECLAIM_RATE = 2.0
 WRAP_RECORD = RECORD.pack(0, KIND_WRAP)
 FULL, NO_ROOM, BUSY = 1, 2, 3  # try_put's answers besides 0 (written)
 _NOW = 0.0  # a deadline already passed: the lock if free at once, else the answer BUSY
@@ -442,6 +447,8 @@ class Region:
                 (P_AT, C_AT), (P_MUTEX, P_MUTEX if ONE_LOCK else C_MUTEX),
             )  # fmt: skip
         self.can_punch = _fallocate is not None  # see punch()
+        self.tokens, self.tokens_at = float(RECLAIM_BURST), time.monotonic()  # give-backs allowed (drained)
+        self.pending = False  # emptied past them: given back when a get here next sleeps (idle)
         self.head_seen = 0  # the consumers' head as last read: stale is safe (less room)
         self.spill_locks = 0  # spilled payloads this process has locked (writing, or reading)
         self.tail_seen = 0  # the producers' tail as last read: stale is safe (fewer messages)
@@ -449,6 +456,7 @@ class Region:
     def after_fork(self) -> None:
         """In a forked child: its own locks' state, and a hold of its own (the parent's description,
         inherited, is closed here: it stays the parent's)."""
+        self.pending = False
         for lock in (self.plock, self.clock):
             if isinstance(lock, _RecordLock):
                 lock.after_fork()
@@ -666,6 +674,30 @@ class Region:
     @property
     def spill_base(self) -> int:
         return -(-(HEADER + self.cap) // PAGE) * PAGE
+
+    def drained(self) -> bool:
+        """A get here emptied the queue after RECLAIM_BYTES taken: give the ring's pages back now,
+        unless this process used up its give-backs (RECLAIM_BURST, RECLAIM_RATE): a busy queue
+        would fault them straight back in, in every process that maps it. Then a get here gives
+        them back when it next sleeps on the empty queue (:meth:`idle`). True once that is
+        settled; False to be asked again."""
+        now = time.monotonic()
+        tokens = min(float(RECLAIM_BURST), self.tokens + (now - self.tokens_at) * RECLAIM_RATE)
+        self.tokens_at = now
+        if tokens < 1.0:
+            self.tokens = tokens
+            self.pending = True
+            return True
+        done = self.reclaim()
+        self.tokens = tokens - 1.0 if done else tokens
+        if done:
+            self.pending = False
+        return done
+
+    def idle(self) -> None:
+        """A get here is about to sleep on the empty queue: give back what :meth:`drained` left."""
+        self.pending = False
+        self.reclaim()
 
     def reclaim(self, deadline: float | None = _NOW) -> bool:
         """Give memory back if the queue is empty (True; False when it was not, or the
@@ -1155,7 +1187,7 @@ class Queue:
                 if kind != DRAINED:  # spilled
                     return _restore(self._taken(got))
                 taken = self._bytes_taken + len(payload)  # the queue drained: maybe give memory back
-                self._bytes_taken = 0 if taken >= RECLAIM_BYTES and self._region.reclaim() else taken
+                self._bytes_taken = 0 if taken >= RECLAIM_BYTES and self._region.drained() else taken
                 return _restore(payload)
             self._bytes_taken += len(payload)
             return _restore(payload)
@@ -1216,7 +1248,7 @@ class Queue:
         if kind == KIND_SPILL or kind == KIND_SPILL | DRAINED:
             return self._region.unspill(payload)  # which gives back too
         self._bytes_taken += len(payload)
-        if kind and self._bytes_taken >= RECLAIM_BYTES and self._region.reclaim():
+        if kind and self._bytes_taken >= RECLAIM_BYTES and self._region.drained():
             self._bytes_taken = 0
         return payload
 
@@ -1243,6 +1275,9 @@ class Queue:
             if got is not None or now >= deadline:  # an item, or the timeout: a wait too
                 self._spin.waited(now - start)
                 return got
+            if region.pending:  # the queue is idle: now its pages may go
+                region.idle()
+                continue
             region.count_waiter("c", region.get_waiters, 1)
             region.wait_for_put(seen, deadline - now)
             region.count_waiter("c", region.get_waiters, -1)

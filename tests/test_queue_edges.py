@@ -498,6 +498,49 @@ def test_drained_queues_give_their_memory_back() -> None:
     assert answer["MiB"] <= 64, answer
 
 
+HOT_THEN_IDLE = """
+import json, os, time
+import gpushare as mp
+from gpushare import _queues
+
+punches = []
+real = _queues.Region.punch
+def counted(self, at, length):
+    punches.append(length)
+    return real(self, at, length)
+_queues.Region.punch = counted
+
+if __name__ == "__main__":
+    q = mp.Queue()
+    resident = lambda: os.fstat(q._region.fd).st_blocks * 512 / 1024
+    message = b"m" * 200
+    started = time.monotonic()
+    moved = 0
+    while time.monotonic() - started < 1.5:  # busy: every get empties the queue
+        for _ in range(500):
+            q.put(message)
+            q.get(timeout=10)
+        moved += 500 * len(message)
+    busy = len(punches)
+    try:
+        q.get(timeout=0.2)  # the queue idle: this get sleeps on it
+    except Exception:
+        pass
+    print(json.dumps({"busy_punches": busy, "moved_MiB": moved / 2**20, "idle_KiB": resident()}))
+"""
+
+
+def test_a_busy_queue_gives_its_ring_back_once_a_get_waits_on_it() -> None:
+    """A queue emptied by every get of a busy stream punches its ring at most a few times (each
+    punch makes every process fault the pages back in); the next get that sleeps on the idle
+    queue gives them back all the same."""
+    answer = run(HOT_THEN_IDLE, "gpushare")
+    # at most RECLAIM_BURST give-backs, then RECLAIM_RATE a second; two punches each at most
+    assert answer["busy_punches"] <= 2 * (4 + 2 * 1.5) + 2, answer
+    assert answer["moved_MiB"] >= 4, answer  # laps of the ring: a give-back every 32 KiB would be 128 or more
+    assert answer["idle_KiB"] <= 48, answer
+
+
 NO_HOLES = """
 import ctypes, errno, json, os, sys
 import gpushare as mp
