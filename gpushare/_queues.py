@@ -711,25 +711,14 @@ class Region:
         finally:
             lock.release()
 
-    def _give_back_ring(self, given: int, tail: int) -> None:
-        """Punch the ring's pages written since position ``given``, all dead (the queue is
-        empty), but the one the next record starts in: a stream of small messages would
-        fault it straight back in, in every process. Neither the header's page nor the
-        ring's last, partial one is punched."""
-        cap = self.cap
-        first, end = 1, (HEADER + cap) // PAGE  # whole ring pages: [first, end)
-        keep = (HEADER + tail % cap) // PAGE
-        if tail - given >= cap:
-            spans = [(first, end)]
-        else:
-            start = (HEADER + given % cap) // PAGE
-            spans = [(start, keep + 1)] if given % cap <= tail % cap else [(start, end), (first, keep + 1)]
-        for lo, hi in spans:
-            for a, b in ((lo, min(hi, keep)), (max(lo, keep + 1), hi)):
-                a = max(a, first)
-                b = min(b, end)
-                if a < b:
-                    self.punch(a * PAGE, (b - a) * PAGE)
+    def _give_back_ring(self, tail: int) -> None:
+        """Punch the ring's pages, all dead (the queue is empty), but the one the next record
+        starts in: a stream of small messages would fault it straight back in, in every
+        process. Neither the header's page nor the ring's last, partial one is punched."""
+        keep = (HEADER + tail % self.cap) // PAGE
+        end = (HEADER + self.cap) // PAGE  # whole ring pages: [1, end)
+        self.punch(PAGE, (keep - 1) * PAGE)
+        self.punch((keep + 1) * PAGE, (end - keep - 1) * PAGE)
 
     def _reclaim_locked(self) -> bool:
         """Under the producers' lock, with no message left to take: the ring's pages go back
@@ -741,9 +730,8 @@ class Region:
         tail = self._current(self.pseq, P_AT)[1]
         if self.consumers()[0] < tail:  # a stale head only says "not empty"
             return False
-        given = _SEQ.unpack_from(mm, RING_GIVEN_BACK)[0]
-        if tail - given >= RECLAIM_BYTES:
-            self._give_back_ring(given, tail)
+        if tail - _SEQ.unpack_from(mm, RING_GIVEN_BACK)[0] >= RECLAIM_BYTES:
+            self._give_back_ring(tail)
             _SEQ.pack_into(mm, RING_GIVEN_BACK, tail)
         hold = self.fds.hold
         if _SEQ.unpack_from(mm, SPILL_END)[0] and hold >= 0 and _OFD_GETLK is not None and not self.spill_locks:
@@ -1186,7 +1174,8 @@ class Queue:
             if kind:
                 if kind != DRAINED:  # spilled
                     return _restore(self._taken(got))
-                taken = self._bytes_taken + len(payload)  # the queue drained: maybe give memory back
+                # _taken's accounting, inline: every get of a round trip empties the queue
+                taken = self._bytes_taken + len(payload)
                 self._bytes_taken = 0 if taken >= RECLAIM_BYTES and self._region.drained() else taken
                 return _restore(payload)
             self._bytes_taken += len(payload)

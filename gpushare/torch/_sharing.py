@@ -19,7 +19,6 @@ Why and the rules: docs/design.md, "torch tensors".
 
 from __future__ import annotations
 
-import functools
 import os
 import threading
 import weakref
@@ -74,14 +73,15 @@ def set_release_timeout(seconds: float) -> None:
     if not value >= 0.0:
         raise ValueError(f"set_release_timeout() needs a number of seconds >= 0, not {seconds!r}")
     _release_timeout = value
-    owner = _owner
-    if owner is not None:
-        owner.shutdown_timeout = value
 
 
 def get_release_timeout() -> float:
     """The bound of :func:`set_release_timeout`, in seconds."""
     return _release_timeout
+
+
+def _shutdown_at_exit(owner: Any) -> None:
+    owner.shutdown(_release_timeout, sender_exit=True, may_claim=_may_claim)
 
 
 def _may_claim() -> bool:
@@ -100,16 +100,12 @@ def sharing_owner() -> Any:
             if owner is None:
                 from .._lifetime._owner import Owner
 
-                owner = Owner(authkey=bytes(current_process().authkey), shutdown_timeout=_release_timeout)
+                owner = Owner(authkey=bytes(current_process().authkey))
                 # After this process's queues let go (so that a receiver blocked on one that
                 # no other process holds raises OwnerGoneError at once, not after the wait for
                 # leases), and before multiprocessing joins the children. A tensor left
                 # unclaimed holds the exit up only while some process may still take it.
-                util.Finalize(
-                    None,
-                    functools.partial(owner.shutdown, sender_exit=True, may_claim=_may_claim),
-                    exitpriority=CLOSE_PRIORITY - 1,
-                )
+                util.Finalize(None, _shutdown_at_exit, [owner], exitpriority=CLOSE_PRIORITY - 1)
                 _owner = owner
     return owner
 
