@@ -80,14 +80,14 @@ typedef struct {
     PyObject *tail;                  /* its tail (bytes) */
     Py_ssize_t lease_at;             /* where the lease id sits in a descriptor */
     Py_ssize_t min_size;             /* a descriptor's least size */
-    uint64_t records_at, stride, capacity, nudge_at, k, salt;
+    uint64_t records_at, stride, capacity, nudge_at, k, salt, dropped_at;
     long claim, release;             /* the CLAIM and RELEASE record kinds */
     PyObject *nudge;                 /* what wakes the writer to nudge the owner */
     PyObject *one;
     PyObject *s_note, *s_defer, *s_request_retire, *s_lock, *s_held, *s_mappings, *s_client, *s_retired,
         *s_recorder, *release_kind;
     PyObject *s_ended, *s_journal, *s_backlog, *s_head, *s_limit, *s_mm, *s_nudged_at, *s_wake, *s_put,
-        *s_acquire, *s_release, *s_refs;
+        *s_acquire, *s_release, *s_refs, *s_confirm;
 } Arrivals;
 
 /* The offsets of ``names`` (a tuple of str) among ``type``'s slots; every slot that
@@ -198,12 +198,13 @@ static int Arrivals_init(Arrivals *self, PyObject *args, PyObject *kwds)
     PyObject *memory_type, *m_names, *buffer_type, *b_names, *drop_type, *d_names, *source_type, *s_names;
     PyObject *head, *tail, *nudge;
     Py_ssize_t lease_at, min_size;
-    unsigned long long records_at, stride, capacity, nudge_at, k, salt;
+    unsigned long long records_at, stride, capacity, nudge_at, k, salt, dropped_at;
     long claim, release;
-    if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!O!O!SSnnKKKKKKllO", &PyType_Type, &memory_type, &PyTuple_Type, &m_names,
+    if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!O!O!SSnnKKKKKKKllO", &PyType_Type, &memory_type, &PyTuple_Type, &m_names,
                           &PyType_Type, &buffer_type, &PyTuple_Type, &b_names, &PyType_Type, &drop_type, &PyTuple_Type,
                           &d_names, &PyType_Type, &source_type, &PyTuple_Type, &s_names, &head, &tail, &lease_at,
-                          &min_size, &records_at, &stride, &capacity, &nudge_at, &k, &salt, &claim, &release, &nudge))
+                          &min_size, &records_at, &stride, &capacity, &nudge_at, &k, &salt, &dropped_at, &claim, &release,
+                          &nudge))
         return -1;
     struct { PyObject *type, *names; Py_ssize_t *out, n; } kinds[4] = {
         {memory_type, m_names, self->m_off, M_SLOTS},
@@ -214,7 +215,7 @@ static int Arrivals_init(Arrivals *self, PyObject *args, PyObject *kwds)
     for (int i = 0; i < 4; i++)
         if (slot_offsets((PyTypeObject *)kinds[i].type, kinds[i].names, kinds[i].out, kinds[i].n) < 0)
             return -1;
-    if (capacity == 0 || stride < 16) {
+    if (capacity == 0 || stride < 16 || dropped_at + 8 > records_at) {
         PyErr_SetString(PyExc_ValueError, "bad journal layout");
         return -1;
     }
@@ -234,6 +235,7 @@ static int Arrivals_init(Arrivals *self, PyObject *args, PyObject *kwds)
     self->stride = stride;
     self->capacity = capacity;
     self->nudge_at = nudge_at;
+    self->dropped_at = dropped_at;
     self->k = k;
     self->salt = salt;
     self->claim = claim;
@@ -254,6 +256,7 @@ static int Arrivals_init(Arrivals *self, PyObject *args, PyObject *kwds)
     NAME(s_release, "release");
     NAME(s_refs, "refs");
     NAME(s_note, "note");
+    NAME(s_confirm, "confirm");
     NAME(s_defer, "defer");
     NAME(s_request_retire, "request_retire");
     NAME(s_lock, "_lock");
@@ -291,6 +294,7 @@ static void Arrivals_dealloc(Arrivals *self)
     Py_XDECREF(self->s_release);
     Py_XDECREF(self->s_refs);
     Py_XDECREF(self->s_note);
+    Py_XDECREF(self->s_confirm);
     Py_XDECREF(self->s_defer);
     Py_XDECREF(self->s_request_retire);
     Py_XDECREF(self->s_lock);
@@ -333,8 +337,9 @@ enum { E_CLIENT, E_LOCK, E_HELD, E_MAPPINGS, E_MAPPING, E_RECORDER, E_ALLOC, E_V
        E_LINK, E_SIZE };
 
 /* Lock held: write a ``kind`` record of ``lease`` into the journal, as
- * LeaseRecorder.append_locked does. 1 written; 0 not possible now (no journal, records
- * queued before, journal full): nothing written; -1 error. */
+ * LeaseRecorder.append_locked does. 1 written; 2 a claim written of a lease the owner may
+ * drop unread (LeaseRecorder.may_be_dropped: the claimer asks first); 0 not possible now
+ * (no journal, records queued before, journal full): nothing written; -1 error. */
 static int record_locked(Arrivals *self, PyObject *recorder, long kind, uint64_t lease)
 {
     PyObject *journal = PyObject_GetAttr(recorder, self->s_journal);
@@ -400,6 +405,11 @@ static int record_locked(Arrivals *self, PyObject *recorder, long kind, uint64_t
         Py_DECREF(r);
     }
     result = 1;
+    if (kind == self->claim) {  /* read after the record is out: see gpushare._lifetime._protocol, "dropped" */
+        __atomic_thread_fence(__ATOMIC_SEQ_CST);
+        if (lease <= __atomic_load_n((uint64_t *)(base + self->dropped_at), __ATOMIC_ACQUIRE))
+            result = 2;
+    }
 done:
     if (view.obj != NULL)
         PyBuffer_Release(&view);
@@ -556,6 +566,14 @@ static PyObject *Arrivals_arrive(Arrivals *self, PyObject *msg)
     }
     if (unlock(lock, self->s_release) < 0)
         goto out;
+    if (claimed == 2) {  /* the owner may have dropped it unclaimed: Link.confirm asks (gives it back if refused) */
+        PyObject *asked = PyObject_CallMethodObjArgs(PyTuple_GET_ITEM(entry, E_LINK), self->s_confirm, lease_obj,
+                                                     PyTuple_GET_ITEM(entry, E_ALLOC), NULL);
+        if (asked == NULL)
+            goto out;
+        Py_DECREF(asked);
+        claimed = 1;
+    }
     if (claimed == 0) {
         result = Py_NewRef(Py_None);
     } else if (claimed == 1) {

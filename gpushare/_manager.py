@@ -178,7 +178,9 @@ class BufferManager(SyncManager):
     backend
         Default backend for CUDA buffers (``"cuda_ipc"``).
     lease_timeout
-        Seconds a pickled-but-never-unpickled buffer stays leased (60).
+        Seconds a pickled-but-never-unpickled buffer stays leased (60). Past that
+        it expires with a ``LeaseExpiredWarning``, and unpickling it raises
+        ``DescriptorError``.
     release_timeout
         Seconds shutdown waits for workers to release their buffers (5).
     pool_limit

@@ -109,7 +109,7 @@ def _attach_here(desc: Descriptor, authkey: bytes) -> Buffer:
             lease = owner.leases.lease_via(desc.alloc_id, desc.generation, desc.lease_id, _lifetime.LOCAL)
         else:
             link = _lifetime.link_for(desc.address, desc.owner_token, authkey)
-            lease = int(link.request(LeaseVia, desc.alloc_id, desc.generation, desc.lease_id))
+            lease = int(link.request(LeaseVia, desc.alloc_id, desc.generation, desc.lease_id, False))
     except DescriptorError as exc:
         raise DescriptorError(
             f"a gpushare buffer in this Ray object can no longer be read ({exc}): a Ray object pins its "

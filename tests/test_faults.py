@@ -51,6 +51,22 @@ def w_map_release_and_wait(out, jobs, control) -> None:
     control.get(timeout=T)
 
 
+def w_get_again_when_told(out, jobs, control) -> None:
+    """Get a buffer and let it go (its mapping stays cached here), then, when told, the next one."""
+    from gpushare import _native
+
+    first = jobs.get(timeout=T)
+    out.put(("first", total(first)))
+    first.release()
+    control.get(timeout=T)
+    try:
+        late = jobs.get(timeout=T)
+    except mp.DescriptorError as exc:
+        out.put(("DescriptorError", str(exc), _native.handoff_why_not()))
+    else:
+        out.put(("got", total(late), _native.handoff_why_not()))
+
+
 def w_hold_and_return(out, jobs) -> None:
     buf = jobs.get(timeout=T)
     out.put(("holding", total(buf)))
@@ -257,6 +273,43 @@ def test_unclaimed_lease_expires_with_a_warning(reap, backend) -> None:
         start_guarded(reap, w_unpickle, out, data, device=device)
         kind, message = recv(out)
         assert kind == "DescriptorError" and "unknown" in message
+
+
+@pytest.mark.parametrize("handoff_c", [True, False], ids=["c-arrival", "python-arrival"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_lease_expired_in_flight_is_refused_not_read_after_its_memory_is_reused(
+    reap, backend, handoff_c, monkeypatch
+) -> None:
+    """A consumer that maps the allocation claims a lease by a journal record, with no round
+    trip: when that lease expired while its message waited, and the owner gave the same
+    allocation to a new buffer, the get raises DescriptorError; it never returns the new
+    buffer's values under the old message."""
+    if not handoff_c:
+        monkeypatch.setenv("GPUSHARE_HANDOFF_NATIVE", "0")  # the worker's arrivals take the Python path
+    device = device_for(backend)
+    jobs, control, out = mp.Queue(), mp.Queue(), mp.Queue()
+    with mp.Manager(lease_timeout=1.0) as m:
+        start_guarded(reap, w_get_again_when_told, out, jobs, control, device=device)
+        first = m.full((N,), 1.0, "float32", device=device, backend=backend)
+        ptr = first.ptr
+        jobs.put(first)
+        first.release()
+        assert recv(out) == ("first", 1024.0)
+        wait_until(lambda: m.stats()["leases"] == 0)
+        late = m.full((N,), 2.0, "float32", device=device, backend=backend)
+        assert late.ptr == ptr  # the pooled allocation, which the consumer maps
+        with pytest.warns(mp.LeaseExpiredWarning, match="never claimed"):
+            jobs.put(late)
+            late.release()
+            wait_until(lambda: m.stats()["leases"] == 0, timeout=10.0)
+        reused = m.full((N,), 3.0, "float32", device=device, backend=backend)
+        assert reused.ptr == ptr
+        control.put("go")
+        kind, what, why_not = recv(out)
+        path = "the C arrival" if why_not is None else f"the Python arrival ({why_not})"
+        assert kind == "DescriptorError", f"through {path}, the expired message arrived holding the reused {what}"
+        assert "unknown" in what
+        reused.release()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -274,3 +274,71 @@ def test_a_foreign_leases_part_stays_as_the_anchor_however_its_release_arrives(v
     assert pool.idle(record) and not kicks
     writer.close()
     reader.close()
+
+
+def _owner_table(timeout: float) -> tuple[object, object, object]:
+    """A LeaseTable over one host allocation, with no service around it: (table, record, state)."""
+    from gpushare._backends import Allocation
+    from gpushare._lifetime._records import AllocationPool, AllocRecord, LeaseTable, OwnerState
+
+    state = OwnerState()
+    pool = AllocationPool(state, None)
+    pool.kick = lambda: None
+    leases = LeaseTable(state, pool, timeout)
+    from gpushare import _backends
+
+    record = AllocRecord(1, Allocation("host", 0, 1 << 21, None, b""), _backends.get("host"))
+    state.records[record.alloc_id] = record
+    return leases, record, state
+
+
+def test_a_due_lease_is_announced_first_and_a_claim_written_after_that_keeps_it() -> None:
+    """Expiry in two steps: a lease unclaimed for half the timeout is announced in every
+    journal (``dropped``); a claim recorded after that, even unread at the next pass, is read
+    before the lease could go; a lease nobody claims goes once due and announced long enough."""
+    leases, record, state = _owner_table(0.4)
+    claimed, ignored = (leases.take(record, 0, record_event=False)[0] for _ in range(2))
+    writer, reader = pair()
+    with state.lock:
+        leases.add_journal_locked(9, reader)
+    assert writer.dropped() == 0
+    deadline = time.monotonic() + 5
+    while writer.dropped() < ignored and time.monotonic() < deadline:
+        with state.lock:
+            assert leases.expire_locked() == []  # announced, not yet dropped
+        time.sleep(0.02)
+    assert writer.dropped() == ignored
+    writer.append(_protocol.CLAIM, claimed)  # the consumer's claim, after the announcement
+    expired: list[object] = []
+    while not expired and time.monotonic() < deadline:
+        with state.lock:
+            expired = leases.expire_locked()
+        time.sleep(0.02)
+    assert [lease.lease_id for lease in expired] == [ignored]
+    assert len(leases) == 1  # the claimed one stays
+    writer.close()
+    reader.close()
+
+
+def test_a_relayed_lease_is_its_relays_at_once_and_a_read_through_one_stays_unclaimed() -> None:
+    """LeaseVia from a process re-sharing what it received claims the lease it came under,
+    though its claim record is unread (nothing drops that lease as an unclaimed one); a read
+    through an unclaimed lease (a Ray object's) leaves it unclaimed and quiet."""
+    leases, record, state = _owner_table(60.0)
+    relayed, read_through = (leases.take(record, 0, record_event=False)[0] for _ in range(2))
+    writer, reader = pair()
+    with state.lock:
+        leases.add_journal_locked(9, reader)
+    writer.append(_protocol.CLAIM, relayed)  # written, not read yet
+    leases.lease_via(record.alloc_id, 0, relayed, 9, claims=True)
+    leases.lease_via(record.alloc_id, 0, read_through, 9)
+    with state.lock:
+        relay_lease, ray_lease = leases._leases[relayed], leases._leases[read_through]
+        assert (relay_lease.holder, relay_lease.quiet) == (9, False)
+        assert (ray_lease.holder, ray_lease.quiet) == (None, True)
+        leases.read_journal_locked(9)  # the claim record, now read, is the same holder's: no refusal
+        leases.stop_sharing_locked()
+    assert leases.refusals() == []
+    assert relayed in leases._leases and read_through not in leases._leases
+    writer.close()
+    reader.close()

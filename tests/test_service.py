@@ -95,7 +95,7 @@ def test_every_lease_message_goes_both_ways_unchanged() -> None:
         _protocol.Claim: _protocol.Claim(1, 2, 3),
         _protocol.Drain: _protocol.Drain(),
         _protocol.Batch: _protocol.Batch([1, 2], [3]),
-        _protocol.LeaseVia: _protocol.LeaseVia(4, 5, 6, 7),
+        _protocol.LeaseVia: _protocol.LeaseVia(4, 5, 6, 7, True),
         _protocol.ExportFd: _protocol.ExportFd(8, 9),
         _protocol.Unmapped: _protocol.Unmapped(10, True),
         _protocol.Alloc: _protocol.Alloc(11, "host", None, 2 << 20, "label", "<f4", (4, 4), False),

@@ -159,6 +159,13 @@ class LeaseRecorder:
             self._wake.put(NUDGE)
         return True
 
+    def may_be_dropped(self, lease_id: int) -> bool:
+        """Lock held, after the claim's record (if any) is written: whether the owner may drop
+        ``lease_id`` unclaimed without reading that record first (it announced so in the
+        journal; or there is no journal). The claimer then asks the owner before using it."""
+        journal = self._journal
+        return journal is None or lease_id <= journal.dropped()
+
     def defer(self, kind: int, lease_id: int, alloc_id: int, accounted: bool) -> None:
         """Queue a record for the writer thread (behind the backlog, or the journal is
         full); ``accounted``: a release's ``unhold`` was already done."""
@@ -324,7 +331,7 @@ class _LeaseSource:
         """Re-share a received buffer (A -> B -> C): a new lease from the owner, and a
         ready event recorded here, after this process's own work on the buffer (and,
         if this process never waited for the producer, after the producer's too)."""
-        lease_id = int(self.link.request(LeaseVia, memory.alloc_id, memory.generation, self.lease_id))
+        lease_id = int(self.link.request(LeaseVia, memory.alloc_id, memory.generation, self.lease_id, True))
         if memory.device is None:
             return lease_id, b"", memory.handle
         from ._ready import process_ready  # CUDA memory only: a host process never loads the CUDA layer
@@ -523,8 +530,11 @@ class Link(Handler):
                 # Claimed by a record in the journal, written under the lock already
                 # held: the caller pays for a few bytes of shared memory, not a message.
                 claimed = self.recorder.append_locked(CLAIM, lease_id)
+                ask = self.recorder.may_be_dropped(lease_id)
         if mapping is not None:
-            if not claimed:  # behind the backlog, or the journal is full: the writer's
+            if ask:  # the owner may have dropped it unclaimed: it says so (and claims it, unread)
+                self.confirm(lease_id, alloc_id)
+            elif not claimed:  # behind the backlog, or the journal is full: the writer's
                 self.recorder.defer(CLAIM, lease_id, alloc_id, True)
         else:
             mapping = self._first_arrival(backend, desc)
@@ -542,6 +552,16 @@ class Link(Handler):
             desc.address, alloc_id, desc.generation, desc.handle, mapping.native, _LeaseSource(self, lease_id),
             event, False,
         )  # fmt: skip
+
+    def confirm(self, lease_id: int, alloc_id: int) -> None:
+        """Claim ``lease_id`` (of the mapped ``alloc_id``) by a message the owner answers, after
+        reading the journal record if one was written: for a lease it may have dropped unclaimed
+        (``LeaseRecorder.may_be_dropped``). Refused, the lease is given back and the refusal raised."""
+        try:
+            self.answer(self.ask(Claim, lease_id, alloc_id))
+        except BaseException:
+            self.recorder.note(RELEASE, lease_id, alloc_id)
+            raise
 
     def _first_arrival(self, backend: _backends.Backend, desc: Descriptor) -> _backends.Mapping:
         """Claim the lease and map its allocation, which is not mapped here yet.

@@ -11,8 +11,12 @@ The lease journal: a consumer link's claims and releases, in shared memory (``me
 - The consumer (:class:`JournalWriter`) appends one record per claim or release, in order;
   the fd goes to the owner once, by SCM_RIGHTS, right after the link's ``Hello``.
 - The owner (:class:`JournalReader`) reads the records whenever it needs current lease
-  state, and alone writes ``tail``.
-- Layout (little-endian): ``u64 tail`` at 0; from 64, ``CAPACITY`` records
+  state, and alone writes ``tail`` and ``dropped``.
+- ``dropped``: unclaimed leases up to this id may be dropped (expired) when the owner reads
+  the journals some time later (half the lease timeout, at least :data:`DROP_GRACE`). A
+  consumer that claims one of them asks the owner (``Claim``, answered once the record is
+  read) before it uses the memory; a claim of any other lease is read before it can go.
+- Layout (little-endian): ``u64 tail`` at 0, ``u64 dropped`` at 8; from 64, ``CAPACITY`` records
   ``u64 value | u64 check``, ``value = lease_id << 1 | kind``, ``check = value ^ stamp(n)``.
 - A record counts once its check matches its sequence number: no head counter, no barrier.
   Why that is safe, and back-pressure: docs/design.md, "The lease journal".
@@ -39,6 +43,7 @@ from .._service import Err, Ok, OkFd, Protocol, carries_fds
 __all__ = [
     "CAPACITY",
     "CLAIM",
+    "DROP_GRACE",
     "JOURNAL_ENABLED",
     "LEASE",
     "LOCAL",
@@ -139,12 +144,15 @@ class Batch(NamedTuple):
 
 
 class LeaseVia(NamedTuple):
-    """A new lease on ``alloc`` for a process that holds lease ``via`` on it (re-sharing; answered)."""
+    """A new lease on ``alloc`` for a process that holds lease ``via`` on it (answered). ``claims``:
+    the asker re-shares a buffer it received under ``via``, which is its own from here on (its claim
+    may still be in its journal); else it reads through an unclaimed lease (a Ray object's)."""
 
     req: int
     alloc: int
     generation: int
     via: int
+    claims: bool
 
 
 class ExportFd(NamedTuple):
@@ -238,6 +246,10 @@ NUDGE_AT = CAPACITY // 4
 JOURNAL_ENABLED = True  # a link made while False uses socket messages (the fallback path; tests turn it off)
 
 _TAIL = struct.Struct("<Q")
+_DROPPED_AT = 8
+#: Seconds, at least, between the owner's announcing that leases may be dropped and its reading the
+#: journals that decide which are: a claim written before a consumer read ``dropped`` shows by then.
+DROP_GRACE = 0.1
 _RECORD = struct.Struct("<QQ")
 _RECORDS_AT = 64
 _STRIDE = _RECORD.size
@@ -251,11 +263,11 @@ _SALT = 0x6770757368617265  # so that no stamp of the first lap is 0 or small
 _CHUNK = 256  # records the owner copies out of the mapping at a time
 
 
-def journal_layout() -> tuple[int, int, int, int, int, int]:
+def journal_layout() -> tuple[int, int, int, int, int, int, int]:
     """The journal's layout for the C arrival (``gpushare._handoff.c``), which writes claims
     as :meth:`JournalWriter.try_append` does: where records start, a record's size, the
-    capacity, the nudge threshold, and stamp()'s multiplier and salt."""
-    return _RECORDS_AT, _STRIDE, CAPACITY, NUDGE_AT, _K, _SALT
+    capacity, the nudge threshold, stamp()'s multiplier and salt, and where ``dropped`` is."""
+    return _RECORDS_AT, _STRIDE, CAPACITY, NUDGE_AT, _K, _SALT, _DROPPED_AT
 
 
 def stamp(seq: int) -> int:
@@ -289,6 +301,10 @@ class JournalWriter:
             return False
         self._limit = _TAIL.unpack_from(self._mm, 0)[0] + CAPACITY
         return self.head >= self._limit
+
+    def dropped(self) -> int:
+        """The owner's ``dropped``: read after a claim is written, a claimed lease above it is safe."""
+        return int(_TAIL.unpack_from(self._mm, _DROPPED_AT)[0])
 
     def try_append(self, kind: int, lease_id: int) -> bool:
         """``append`` if not ``full()``, in one call (the consumer's hot path); False if full."""
@@ -354,6 +370,10 @@ class JournalReader:
             self._tail = n
             _TAIL.pack_into(mm, 0, n)
         return out
+
+    def announce(self, lease_id: int) -> None:
+        """Unclaimed leases up to ``lease_id`` may be dropped (``dropped``; it only grows)."""
+        _TAIL.pack_into(self._mm, _DROPPED_AT, lease_id)
 
     def close(self) -> None:
         self._mm.close()

@@ -54,7 +54,7 @@ from typing import Any
 from .. import _backends
 from .._errors import DescriptorError, ManagerClosedError
 from .._service import Channel
-from ._protocol import LOCAL, RELEASE, JournalReader
+from ._protocol import DROP_GRACE, LOCAL, RELEASE, JournalReader
 from ._ready import ReadyEvents
 
 __all__ = ["AllocRecord", "AllocationPool", "Consumers", "Lease", "LeaseTable", "OwnerState", "Peer", "check_alive"]
@@ -321,6 +321,11 @@ class LeaseTable:
         self._refusals: queue.SimpleQueue[tuple[int, int, str]] = queue.SimpleQueue()
         self.ready = ReadyEvents()  # recorded at each share of a CUDA buffer
         self._sharing = True  # False once the owner is shutting down
+        # Expiry in two steps (see expire_locked): the highest lease id announced to every
+        # journal as one that may be dropped, and when each announcement was made.
+        self._dropped = 0
+        self._announced: list[tuple[float, int]] = []
+        self._safe = 0  # announced long enough ago: dropped if due and still unclaimed
 
     def __len__(self) -> int:
         return len(self._leases)
@@ -353,6 +358,7 @@ class LeaseTable:
 
     def add_journal_locked(self, holder: int, journal: JournalReader) -> None:
         """Consumer ``holder``'s lease journal, read from now on (it came with its Hello)."""
+        journal.announce(self._dropped)
         self._journals[holder] = journal
 
     def read_journal_locked(self, holder: int) -> None:
@@ -464,6 +470,8 @@ class LeaseTable:
                 f"lease {lease_id} is unknown to its owner: a pickled buffer can be unpickled once, "
                 f"and only within lease_timeout ({self.timeout:g} s) of being pickled. Pickle it again"
             )
+        if lease.holder == holder and holder != LOCAL:
+            return lease  # claimed by its journal record already: the consumer asks to be sure
         if lease.holder is not None:
             raise DescriptorError(
                 f"lease {lease_id} was already claimed: a pickled buffer can be unpickled once; "
@@ -475,16 +483,20 @@ class LeaseTable:
             lease.record.mappers.add(holder)
         return lease
 
-    def lease_via(self, alloc_id: int, generation: int, via: int, holder: int) -> int:
+    def lease_via(self, alloc_id: int, generation: int, via: int, holder: int, claims: bool = False) -> int:
         """A new unclaimed lease on the allocation that lease ``via`` is on, for ``holder``,
-        who must hold ``via`` or see it unclaimed: re-sharing a received buffer, or one of
-        several receivers of a pickled form that is read many times (a Ray object keeps
-        its lease unclaimed and each reader leases through it)."""
+        who must hold ``via`` or see it unclaimed. ``claims``: ``holder`` re-shares a buffer
+        it received under ``via`` (its claim may not be read yet: ``via`` is its from here
+        on); else it is one of several receivers of a pickled form that is read many times
+        (a Ray object keeps its lease unclaimed, quiet, and each reader leases through it)."""
         with self._state.lock:
             lease = self._leases.get(via)
             held = lease is not None and lease.record.alloc_id == alloc_id and lease.holder in (holder, None)
             if lease is not None and held:
-                lease.quiet = True
+                if claims:
+                    self.claim_locked(via, alloc_id, holder)
+                else:
+                    lease.quiet = True
         if lease is None or not held:
             raise DescriptorError(f"allocation {alloc_id} is not leased to this process")
         # Foreign memory: the new lease keeps the part allocated too, whoever lets go first.
@@ -530,11 +542,33 @@ class LeaseTable:
 
     # -- expiry and shutdown ----------------------------------------------------------------
     def expire_locked(self) -> list[Lease]:
-        """Drop the leases left unclaimed for longer than ``timeout``; return them."""
-        deadline = time.monotonic() - self.timeout
-        expired = [lease for lease in self._leases.values() if lease.holder is None and lease.created < deadline]
+        """Drop the leases left unclaimed for longer than ``timeout``; return them.
+
+        Never under a consumer that claimed one by a journal record the owner has not read:
+        a lease unclaimed for half the timeout is announced in every journal (``dropped``,
+        see _protocol), and dropped once it is due and was announced half the timeout (at
+        least :data:`DROP_GRACE`) before the journals were last read. A consumer that claims
+        an announced lease asks the owner first; one that claims any other is read in time,
+        even from its writer thread's backlog."""
+        read_at = time.monotonic()
+        self.catch_up_locked()
+        half = self.timeout / 2
+        aging = [lease for lease in self._leases.values() if lease.holder is None and lease.created < read_at - half]
+        if not aging:
+            return []
+        announced = self._announced
+        while announced and announced[0][0] <= read_at - max(half, DROP_GRACE):
+            self._safe = announced.pop(0)[1]
+        due = read_at - self.timeout
+        expired = [lease for lease in aging if lease.created < due and lease.lease_id <= self._safe]
         for lease in expired:
             self._forget_locked(lease)
+        top = max(lease.lease_id for lease in aging)
+        if top > self._dropped:
+            self._dropped = top
+            for journal in self._journals.values():
+                journal.announce(top)
+            announced.append((time.monotonic(), top))
         return expired
 
     def stop_sharing_locked(self) -> None:

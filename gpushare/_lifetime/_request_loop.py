@@ -229,7 +229,9 @@ class _Consumer(Handler):
         # it under, or have its claim of that lease still in flight.
         peer = self.peer
         try:
-            lease_id = self._leases.lease_via(message.alloc, message.generation, message.via, peer.conn_id)
+            lease_id = self._leases.lease_via(
+                message.alloc, message.generation, message.via, peer.conn_id, message.claims
+            )
         except (DescriptorError, ManagerClosedError) as exc:
             peer.send(Err(message.req, str(exc)))
             return
