@@ -20,6 +20,7 @@ from ._context import _default_context, get_context
 from ._errors import (
     BackendUnavailableError,
     BufferReleasedError,
+    CompiledCoreWarning,
     CUDAError,
     CUDAOutOfMemoryError,
     DescriptorError,
@@ -142,6 +143,7 @@ __all__ = [
     "BufferReleasedError",
     "CUDAError",
     "CUDAOutOfMemoryError",
+    "CompiledCoreWarning",
     "DescriptorError",
     "GpushareError",
     "LayoutError",

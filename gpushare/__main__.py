@@ -1,8 +1,9 @@
 """``python -m gpushare info [--json]``: what gpushare can do on this machine.
 
-Reports versions (gpushare, Python, cuda-bindings, driver), CUDA devices, the backends each
-supports, whether the copy kernel builds for it, peer access, the start method, and whether
-fds pass over a Unix socket (tried for real). It never needs a GPU: without one it says why
+Reports versions (gpushare, Python, cuda-bindings, driver), which compiled modules are in use
+(else why the Python path runs), CUDA devices, the backends each supports, whether the copy
+kernel builds for it, peer access, the start method, and whether fds pass over a Unix socket
+(tried for real). It never needs a GPU: without one it says why
 (:class:`~gpushare.NoDeviceError`'s message) and exits 0. Driver calls go through :mod:`gpushare._cuda`.
 """
 
@@ -18,7 +19,7 @@ from typing import Any
 
 import gpushare
 
-from . import _backends, _cuda
+from . import _backends, _cuda, _native
 from ._context import get_start_method  # what gpushare.get_start_method() is bound to
 from ._errors import GpushareError
 
@@ -159,6 +160,7 @@ def collect_info() -> dict[str, Any]:
     info["start_method"] = get_start_method()
     works, why = check_scm_rights()
     info["scm_rights"] = {"works": works, "error": why}
+    info["compiled_core"] = {module: {"in_use": why is None, "why_not": why} for module, why in _native.core_paths()}
     return info
 
 
@@ -183,6 +185,10 @@ def format_info(info: dict[str, Any]) -> str:
     row("start method", info["start_method"])
     scm = info["scm_rights"]
     row("SCM_RIGHTS", _yes(scm["works"]) + ("" if scm["works"] else f" ({scm['error']})"))
+
+    lines.append("compiled core")
+    for module, state in info["compiled_core"].items():
+        lines.append(f"  {module:<26}{'in use' if state['in_use'] else 'no: ' + state['why_not']}")
 
     lines.append("backends")
     for name, b in info["backends"].items():

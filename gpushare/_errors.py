@@ -167,3 +167,10 @@ class LeakWarning(ResourceWarning):
 
 class LeaseExpiredWarning(RuntimeWarning):
     """A lease taken by pickling a buffer was never claimed and has expired."""
+
+
+class CompiledCoreWarning(RuntimeWarning):
+    """gpushare's compiled core is not installed in this Python: its Queue and buffer handoff run
+    their Python path, several times slower (given once per process). ``python -m gpushare info``
+    says why; reinstall where a C compiler and Python's headers are present, or from a wheel, or
+    set ``GPUSHARE_NATIVE=0`` to choose the Python path without this warning."""

@@ -1,5 +1,5 @@
-/* A buffer's handoff through a Queue in one C call at each end (gpushare._native builds it;
- * gpushare._buffer uses it). Each call takes the steady state only, from a plan or an entry
+/* A buffer's handoff through a Queue in one C call at each end (the module ``gpushare._chandoff``,
+ * built with the package: setup.py; gpushare._native loads it, gpushare._buffer uses it). Each call takes the steady state only, from a plan or an entry
  * the Python path left, and hands everything else back (None) with nothing changed: the
  * caller then takes the Python path, which handles it and says what is wrong. Layouts and
  * slot names come from Python, never restated here.
@@ -727,7 +727,7 @@ static PySequenceMethods Arrivals_sequence = {.sq_length = (lenfunc)Arrivals_len
 
 static PyTypeObject ArrivalsType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "gpushare_handoff.Arrivals",
+    .tp_name = "gpushare._chandoff.Arrivals",
     .tp_basicsize = sizeof(Arrivals),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "Received buffers' arrivals in one call, for allocations this process maps.",
@@ -1032,7 +1032,7 @@ static PyMethodDef Shares_methods[] = {
 
 static PyTypeObject SharesType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "gpushare_handoff.Shares",
+    .tp_name = "gpushare._chandoff.Shares",
     .tp_basicsize = sizeof(Shares),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "A Manager's buffers put on a Queue in one call, from the plans the Python path leaves.",
@@ -1042,9 +1042,9 @@ static PyTypeObject SharesType = {
     .tp_new = PyType_GenericNew,
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "gpushare_handoff", NULL, -1, NULL, NULL, NULL, NULL, NULL};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "gpushare._chandoff", NULL, -1, NULL, NULL, NULL, NULL, NULL};
 
-PyMODINIT_FUNC PyInit_gpushare_handoff(void)
+PyMODINIT_FUNC PyInit__chandoff(void)
 {
     crc_init();
     if (PyType_Ready(&ArrivalsType) < 0 || PyType_Ready(&SharesType) < 0)

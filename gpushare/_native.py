@@ -1,60 +1,87 @@
-"""gpushare's small C extension modules, built on first use, else nothing: the Queue region's
-put and get (``_region.c``), a buffer's handoff at both ends of a Queue (``_handoff.c``) and
-the driver's per-handoff queries (``_cuda/_queries.c``).
+"""gpushare's compiled core, loaded if installed: the Queue region's put and get
+(``_region.c``, the module ``gpushare._cregion``), a buffer's handoff at both ends of a Queue
+(``_handoff.c``, ``gpushare._chandoff``) and the driver's per-handoff queries
+(``_cuda/_queries.c``, ``gpushare._cuda._cqueries``).
 
-- Built with the system C compiler (``$CC``, else ``cc``) and this Python's headers into a
-  cache folder (``$GPUSHARE_CACHE``, else ``$XDG_CACHE_HOME/gpushare``, else
-  ``~/.cache/gpushare``, else ``/tmp/gpushare-UID``; a folder or file another user owns or
-  may write to is never used), once per source, machine and Python:
-  the file's name carries the source's hash. Later processes load the file; two that build
-  at once each write their own and rename it into place.
+- Built with the package (setup.py: ``pip install .``, ``make``, the wheels), never at run
+  time. Where they were not built (no C compiler or Python headers at install time, not
+  Linux) gpushare runs the same protocol in Python; the first use warns once per process
+  (:class:`CompiledCoreWarning`) and ``gpushare info`` says which path is in use and why.
 - The region is used only where the Python path's lock is the robust pthread mutex (Linux)
-  on x86-64, which the C code shares; anywhere else, with no compiler, or with
-  ``GPUSHARE_QUEUE_NATIVE=0`` (every user of a queue may differ: both paths follow one
-  protocol), :func:`region_ops` is None and the Queue runs its Python path alone. Its C
-  calls take the plain case only. Whatever else (a busy lock, a payload to spill) they hand
-  back untouched (PYTHON), and the Python path takes it.
-- The handoff (:func:`handoff_module`) is used on Linux wherever it builds: a Manager's
+  on x86-64, which the C code shares; anywhere else, or with ``GPUSHARE_QUEUE_NATIVE=0``
+  (every user of a queue may differ: both paths follow one protocol), :func:`region_ops` is
+  None and the Queue runs its Python path alone. Its C calls take the plain case only.
+  Whatever else (a busy lock, a payload to spill) they hand back untouched (PYTHON), and
+  the Python path takes it.
+- The handoff (:func:`handoff_module`) is used on Linux wherever it is installed: a Manager's
   buffer put on a Queue, and a Queue message naming an allocation this process maps, each in
   one call, from what the Python path left (``gpushare._buffer``); anything else, and
-  everywhere it does not build, or with ``GPUSHARE_HANDOFF_NATIVE=0``, takes the Python path.
-- The queries (:func:`queries_type`) are used on Linux wherever they build; elsewhere the
-  driver's queries go through ctypes (``_cuda._queries``).
-- ``GPUSHARE_NATIVE=0`` turns all three off.
+  everywhere it is missing, or with ``GPUSHARE_HANDOFF_NATIVE=0``, takes the Python path.
+- The queries (:func:`queries_type`) are used on Linux wherever they are installed;
+  elsewhere the driver's queries go through ctypes (``_cuda._queries``).
+- ``GPUSHARE_NATIVE=0`` turns all three off (no warning: that is asked for).
 """
 
 from __future__ import annotations
 
 import ctypes
+import importlib
 import os
 import sys
 import threading
-import zlib
+import warnings
+
+from ._errors import CompiledCoreWarning
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
-__all__ = ["EMPTY", "PYTHON", "handoff_module", "handoff_why_not", "queries_type", "region_ops", "why_not"]
+__all__ = [
+    "EMPTY",
+    "PYTHON",
+    "CompiledCoreWarning",
+    "core_paths",
+    "handoff_module",
+    "handoff_why_not",
+    "queries_type",
+    "region_ops",
+    "why_not",
+]
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 EMPTY, PYTHON = -1, -2  # the region's answers besides a put's own (Region.try_put's) and a message
-BUILD_TIMEOUT = 120.0
 
 #: Why the Queue's C calls are not in use in this process (None while they are, or before the first try).
 why_not: str | None = None
 
 
+_warned = False
+
+
+def _warn_missing(module: str, exc: BaseException) -> None:
+    """Once per process: the compiled core is missing, what that costs and how to get it."""
+    global _warned
+    if _warned:
+        return
+    _warned = True
+    warnings.warn(
+        f"gpushare: its compiled core is not installed ({module}: {exc}), so the Queue and the buffer "
+        "handoff run their Python path, several times slower. Install gpushare where a C compiler and "
+        "Python's headers are present (pip builds it), or use a wheel; GPUSHARE_NATIVE=0 chooses the "
+        "Python path without this warning. `python -m gpushare info` shows which path is in use",
+        CompiledCoreWarning,
+        stacklevel=4,
+    )
+
+
 class _Extension:
-    """One C source, built and loaded once per process: the type it exports, or None
+    """One compiled module, imported once per process: the object it exports, or None
     (``why_not`` says why)."""
 
-    def __init__(self, source: str, module: str, attr: str, stem: str, libraries: tuple[str, ...]) -> None:
-        self.source = os.path.join(HERE, source)
-        self.module = module  # the extension's name (its PyInit_ function)
+    def __init__(self, module: str, attr: str, what: str) -> None:
+        self.module = module
         self.attr = attr
-        self.stem = stem  # the built file's name starts with it
-        self.libraries = libraries  # what it links with (-l...)
+        self.what = what  # for messages: "region", "handoff", "queries"
         self.value: Any = None
         self.tried = False
         self.why_not: str | None = None
@@ -66,99 +93,49 @@ class _Extension:
         with self.lock:
             if self.tried:
                 return self.value
+            missing = None
             try:
-                from importlib.machinery import ExtensionFileLoader
-                from importlib.util import module_from_spec, spec_from_file_location
-
-                with open(self.source, "rb") as f:
-                    path = _build(f.read(), self.source, self.stem, self.libraries)
-                loader = ExtensionFileLoader(self.module, path)
-                spec = spec_from_file_location(self.module, path, loader=loader)
-                if spec is None or spec.loader is None:
-                    raise ImportError(f"cannot load {path}")
-                module = module_from_spec(spec)
-                spec.loader.exec_module(module)
+                module = importlib.import_module(self.module)
                 self.value = getattr(module, self.attr) if self.attr else module
-            except (OSError, ImportError, AttributeError) as exc:
-                self.why_not = f"the C {self.stem} could not be built or loaded: {exc}"
+            except (ImportError, AttributeError) as exc:
+                self.why_not = f"the compiled {self.what} ({self.module}) is not installed: {exc}"
+                missing = exc
             self.tried = True
-            return self.value
+        if missing is not None:
+            _warn_missing(self.module, missing)
+        return self.value
 
 
-_region = _Extension("_region.c", "gpushare_region", "Ring", "region", ("pthread",))
-_queries = _Extension(os.path.join("_cuda", "_queries.c"), "gpushare_queries", "Queries", "queries", ("dl",))
-_handoff = _Extension("_handoff.c", "gpushare_handoff", "", "handoff", ())
+_region = _Extension("gpushare._cregion", "Ring", "region")
+_queries = _Extension("gpushare._cuda._cqueries", "Queries", "queries")
+_handoff = _Extension("gpushare._chandoff", "", "handoff")
 
 
 def _off() -> bool:
     return os.environ.get("GPUSHARE_NATIVE", "1") == "0"
 
 
-def _cache_dirs() -> list[str]:
-    chosen = os.environ.get("GPUSHARE_CACHE")
-    if chosen:
-        return [chosen]
-    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return [os.path.join(xdg, "gpushare"), os.path.join("/tmp", f"gpushare-{os.getuid()}")]
-
-
-def _ours(path: str) -> bool:
-    """Whether ``path`` belongs to this user and no one else may write to it: a library is
-    loaded into this process only from such a folder and file."""
-    st = os.stat(path)
-    return st.st_uid == os.getuid() and not st.st_mode & 0o022
-
-
-def _build(source: bytes, path_of_source: str, stem: str, libraries: tuple[str, ...]) -> str:
-    """The path of the built library for ``source`` (read from ``path_of_source``, linked
-    with ``libraries``): found in a cache folder, or built there.
-
-    Only a build imports subprocess, sysconfig and tempfile: a process that finds the file
-    (every process after the first) pays for a hash of the source and two stats."""
-    tag = f"{os.uname().machine}-{sys.implementation.cache_tag}{sys.abiflags}"
-    key = f"{zlib.crc32(source):08x}{zlib.adler32(source):08x}-{tag}"
-    name = f"{stem}-{key}.so"
-    folders = _cache_dirs()
-    for folder in folders:
-        path = os.path.join(folder, name)
-        if os.path.exists(path) and _ours(folder) and _ours(path):
-            return path
-    import subprocess
-    import sysconfig
-    import tempfile
-
-    include = sysconfig.get_paths()["include"]
-    if not os.path.exists(os.path.join(include, "Python.h")):
-        raise OSError(f"this Python's headers are not installed (no Python.h in {include})")
-    errors = []
-    for folder in folders:
-        path = os.path.join(folder, name)
-        try:
-            os.makedirs(folder, mode=0o700, exist_ok=True)
-            if not _ours(folder):
-                raise OSError("not this user's alone (another user owns it, or may write in it)")
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
-            os.close(fd)
-        except OSError as exc:
-            errors.append(f"{folder}: {exc}")
-            continue
-        compiler = os.environ.get("CC") or "cc"
-        command = [compiler, "-O2", "-shared", "-fPIC", f"-I{include}", "-o", tmp, path_of_source]
-        command += [f"-l{name}" for name in libraries]
-        try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT, check=False)
-            if done.returncode != 0:
-                raise OSError(f"{' '.join(command)} failed: {done.stderr.strip()[:500]}")
-            os.chmod(tmp, 0o700)  # whatever the umask: a file others may write to is never loaded
-            os.replace(tmp, path)  # atomic: a process building beside this one finds a whole file
-            return path
-        except (OSError, subprocess.SubprocessError) as exc:
-            errors.append(str(exc))
-            break  # the compiler failed: another folder would not help
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    raise OSError("; ".join(errors) or "no cache folder")
+def core_paths() -> list[tuple[str, str | None]]:
+    """``gpushare info``'s lines: each compiled module's name, and None where it loads and is
+    used here, else why not (set off by the environment, not built, not this platform)."""
+    out: list[tuple[str, str | None]] = []
+    for ext, switch in ((_region, "GPUSHARE_QUEUE_NATIVE"), (_handoff, "GPUSHARE_HANDOFF_NATIVE"), (_queries, None)):
+        why: str | None = None
+        for name in ("GPUSHARE_NATIVE", switch):
+            if name and os.environ.get(name, "1") == "0":
+                why = f"{name}=0: the Python path is chosen"
+                break
+        if why is None and not sys.platform.startswith("linux"):
+            why = "built on Linux only"
+        elif why is None and ext is _region and os.uname().machine.lower() not in ("x86_64", "amd64"):
+            why = "used on x86-64 only (its lock must be the Python path's)"
+        if why is None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", CompiledCoreWarning)
+                if ext.load() is None:
+                    why = ext.why_not
+        out.append((ext.module, why))
+    return out
 
 
 def region_ops(

@@ -1,5 +1,6 @@
 /* The Queue region's two hot operations in C: one put and one get of a message that fits
- * the ring, each a single call of the extension type ``Ring`` (gpushare._native builds it).
+ * the ring, each a single call of the extension type ``Ring`` (the module ``gpushare._cregion``,
+ * built with the package: setup.py; gpushare._native loads it).
  *
  * Same layout and commit protocol as gpushare._queues.Region (its constants are passed in,
  * never restated here): a record "length, kind, payload" written into the byte ring, then
@@ -287,7 +288,7 @@ static PyMethodDef Ring_methods[] = {
 
 static PyTypeObject RingType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "gpushare_region.Ring",
+    .tp_name = "gpushare._cregion.Ring",
     .tp_basicsize = sizeof(Ring),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "One queue region's put and get, as mapped in this process.",
@@ -297,9 +298,9 @@ static PyTypeObject RingType = {
     .tp_new = PyType_GenericNew,
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "gpushare_region", NULL, -1, NULL, NULL, NULL, NULL, NULL};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "gpushare._cregion", NULL, -1, NULL, NULL, NULL, NULL, NULL};
 
-PyMODINIT_FUNC PyInit_gpushare_region(void)
+PyMODINIT_FUNC PyInit__cregion(void)
 {
     if (PyType_Ready(&RingType) < 0)
         return NULL;

@@ -1,6 +1,7 @@
 /* The per-handoff driver calls that keep the GIL, in C: the same four calls and answers
  * as gpushare._cuda._queries._Queries (its ctypes path), each one call of the extension
- * type ``Queries`` with no ctypes objects made per call (gpushare._native builds it).
+ * type ``Queries`` with no ctypes objects made per call (the module ``gpushare._cuda._cqueries``,
+ * built with the package: setup.py; gpushare._native loads it).
  *
  * ``Queries(library)`` binds cuCtxGetCurrent, cuStreamQuery, cuEventQuery and
  * cuEventRecord of a driver library already loaded in this process (RTLD_NOLOAD: never
@@ -155,7 +156,7 @@ static PyMethodDef Queries_methods[] = {
 
 static PyTypeObject QueriesType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "gpushare_queries.Queries",
+    .tp_name = "gpushare._cuda._cqueries.Queries",
     .tp_basicsize = sizeof(Queries),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "The driver's four per-handoff calls, keeping the GIL.",
@@ -165,9 +166,9 @@ static PyTypeObject QueriesType = {
     .tp_new = PyType_GenericNew,
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "gpushare_queries", NULL, -1, NULL, NULL, NULL, NULL, NULL};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "gpushare._cuda._cqueries", NULL, -1, NULL, NULL, NULL, NULL, NULL};
 
-PyMODINIT_FUNC PyInit_gpushare_queries(void)
+PyMODINIT_FUNC PyInit__cqueries(void)
 {
     if (PyType_Ready(&QueriesType) < 0)
         return NULL;
