@@ -2,7 +2,7 @@
 
 A tool of the repository, not part of the library: it is not in the wheel,
 and it imports gpushare as any user would, plus the private modules it
-measures or reports on (``_cuda``, ``_backends``, ``_torch_weights``). ``python -m bench``, from
+measures or reports on (``_cuda``, ``_backends``, ``torch._weights``). ``python -m bench``, from
 the checkout's root (``make bench``; ``--quick`` for a short run, ``--help``
 for the options), measures everything below in one run and writes three
 files: into ``--out`` (default ``dev/benchmarks``), ``report.md`` (machine,

@@ -9,6 +9,7 @@ back, the producer's exit, expandable segments, and (``multigpu``) the device by
 
 from __future__ import annotations
 
+import ast
 import os
 import signal
 import subprocess
@@ -197,6 +198,37 @@ def receive_then_get(q, report) -> None:
 
 
 # -- names ---------------------------------------------------------------------------------------
+
+
+#: What the drop-in does not need: the DataLoader, its workers and batches, weight sync, the trainer.
+NOT_THE_DROP_IN = {
+    "gpushare._loader",
+    "gpushare._loader_workers",
+    "gpushare._batch",
+    "gpushare._fanout",
+    "gpushare.torch._dataloader",
+    "gpushare.torch._weights",
+    "gpushare.torch._trainer",
+}
+
+
+def test_importing_the_drop_in_loads_neither_the_loader_nor_weight_sync() -> None:
+    code = (
+        "import sys, gpushare.torch.multiprocessing; "
+        "print(sorted(m for m in sys.modules if m == 'gpushare' or m.startswith('gpushare.')))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    loaded = set(ast.literal_eval(done.stdout))
+    assert "gpushare.torch._sharing" in loaded
+    assert not NOT_THE_DROP_IN & loaded, sorted(NOT_THE_DROP_IN & loaded)
+    assert not [m for m in loaded if m.startswith("gpushare._fanout.")], sorted(loaded)
+    import gpushare.torch
+
+    assert gpushare.torch.DataLoader.__module__ == "gpushare.torch._dataloader"  # loaded at its first use
+    assert set(gpushare.torch.__all__) <= set(dir(gpushare.torch))
 
 
 def test_it_has_every_name_of_torch_multiprocessing() -> None:

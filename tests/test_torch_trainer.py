@@ -16,8 +16,8 @@ from conftest import GPU_TIMEOUT, recv, run_guarded, wait_until
 torch = pytest.importorskip("torch")
 
 import gpushare as mp  # noqa: E402
-from gpushare._torch_weights import _version_tensors  # noqa: E402
 from gpushare.torch import load_state_dict, state_dict_layout, train_in_set  # noqa: E402
+from gpushare.torch._weights import _version_tensors  # noqa: E402
 
 T = 60
 

@@ -228,7 +228,7 @@ def test_bind_maps_each_version_slot_once_and_shares_no_tensor_between_modules(m
     """bind() reuses one set of tensors per version slot of the reader (no export per tensor per
     version), still reads each new version, gives two modules tensor objects of their own, and
     the reader's close lets go of those tensors."""
-    from gpushare._torch_weights import _snapshot_tensors
+    from gpushare.torch._weights import _snapshot_tensors
 
     trainer = Net()
     with manager.tensor_set(state_dict_layout(trainer.state_dict()), versions=2, device="cpu") as ts:

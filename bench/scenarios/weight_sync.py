@@ -520,7 +520,7 @@ def run_cell(
 
         # What every engine ends with must be the trainer's last weights.
         if system == GS_INPLACE:
-            from gpushare._torch_weights import _version_tensors
+            from gpushare.torch._weights import _version_tensors
 
             expected = _checksums(torch, list(_version_tensors(ts, last_slot).values()))
         elif system == LOCAL:

@@ -20,8 +20,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import _cuda
-from ._errors import LayoutError
+from .. import _cuda
+from .._errors import LayoutError
 
 __all__ = [
     "IncompatibleKeys",

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from ._errors import LayoutError
-from ._torch_weights import _match, _owner_of, _stream_of, _version_tensors, publish_state_dict
+from .._errors import LayoutError
+from ._weights import _match, _owner_of, _stream_of, _version_tensors, publish_state_dict
 
 __all__ = ["TrainerWeights", "train_in_set"]
 
