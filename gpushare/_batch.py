@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from ._buffer import Buffer, byte_offset, check_dtype, check_shape, memory_of, window
+from ._buffer import Buffer, HeldView, byte_offset, check_dtype, check_shape, memory_of, window
 from ._errors import LoaderError
 
 __all__ = [
@@ -414,7 +414,7 @@ def default_collate(samples: list[Any], writer: SlotWriter) -> Any:
 # -- trainer side: the arrays of a batch ---------------------------------------
 
 
-class SlotArray(Buffer):
+class SlotArray(HeldView):
     """An array of a batch from a :class:`SlotLoader`: a Buffer viewing its worker's slot.
 
     It holds the slot: the slot goes back to the worker when every
@@ -424,39 +424,14 @@ class SlotArray(Buffer):
     attached to this array (adapters use it, e.g. for dtypes NumPy lacks).
     """
 
-    __slots__ = ("_hold", "tag")
+    __slots__ = ()
 
     def __init__(self, base: Buffer, offset: int, shape: Any, dtype: Any, hold: Any, tag: str | None) -> None:
-        super().__init__(memory_of(base), offset, shape, dtype)
-        self._hold = hold  # (the ring item, the Manager): the slot and the memory's owner stay while we do
-        self.tag = tag
+        # hold: (the ring item, the Manager): the slot and the memory's owner stay while this does
+        super().__init__(memory_of(base), offset, shape, dtype, hold, tag)
 
-    def view(self, dtype: object = None, shape: object = None) -> Buffer:
-        plain = Buffer.view(self, dtype, shape)
-        out = SlotArray(plain, byte_offset(plain), plain.shape, plain.dtype, self._hold, self.tag)
-        plain.release()
-        return out
-
-    def numpy(self) -> np.ndarray[Any, Any]:
-        if self.device == "cpu":
-            self._check()
-            return np.asarray(self)  # through __array_interface__: the array's base is this object
-        return super().numpy()
-
-    @property
-    def __array_interface__(self) -> dict[str, Any]:
-        if self.device != "cpu":
-            raise AttributeError("device memory has no __array_interface__")
-        return {"shape": self.shape, "typestr": self.dtype.str, "data": (self.ptr, False), "version": 3}
-
-    def release(self) -> None:
-        """Release this array (and its hold on the slot). Idempotent."""
-        super().release()
-        self._hold = None
-
-    def __repr__(self) -> str:
-        state = "released" if self.released else self.backend
-        return f"<gpushare.SlotArray shape={self.shape} dtype={self.dtype} device={self.device!r} {state}>"
+    def _like(self, plain: Buffer, tag: str | None) -> SlotArray:
+        return SlotArray(plain, byte_offset(plain), plain.shape, plain.dtype, self._hold, tag)
 
 
 def build(node: Any, item: Buffer, hold: Any, convert: Callable[[SlotArray], Any]) -> Any:

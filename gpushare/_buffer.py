@@ -453,6 +453,60 @@ def byte_offset(buf: Buffer) -> int:
     return buf._offset
 
 
+class HeldView(Buffer):
+    """A Buffer that holds something while it lives, let go by :meth:`release` or when it goes: a
+    loader's batch array holds its ring slot (``_batch.SlotArray``), a tensor set's tensor its
+    snapshot or draft (``_fanout._views.TensorView``). So does everything made from it without a
+    copy: its views (:meth:`view` makes one of the same kind), and its host memory's NumPy arrays,
+    whose base it is. ``tag`` names a dtype NumPy lacks (``"bfloat16"``) for data stored as an
+    unsigned int of its size, or anything an adapter attached; None otherwise.
+    """
+
+    __slots__ = ("_hold", "tag")
+
+    def __init__(self, memory: Memory, offset: int, shape: Any, dtype: Any, hold: Any, tag: str | None) -> None:
+        Buffer.__init__(self, memory, offset, shape, dtype)
+        self._hold = hold
+        self.tag = tag
+
+    def _like(self, plain: Buffer, tag: str | None) -> HeldView:
+        """A view of this kind over ``plain``'s window, holding what this one holds."""
+        raise NotImplementedError
+
+    def view(self, dtype: object = None, shape: object = None) -> Buffer:
+        plain = Buffer.view(self, dtype, shape)
+        tag = self.tag if plain.dtype == self.dtype else None  # a view as another dtype is no longer the tag's
+        out = self._like(plain, tag)
+        plain.release()
+        return out
+
+    def numpy(self) -> np.ndarray[Any, Any]:
+        """Host memory: a zero-copy NumPy view, which holds what this holds; device memory: a host copy."""
+        if self.device == "cpu":
+            import numpy as np
+
+            self._check()
+            return np.asarray(self)  # through __array_interface__: the array's base is this object
+        return super().numpy()
+
+    @property
+    def __array_interface__(self) -> dict[str, Any]:
+        if self.device != "cpu":
+            raise AttributeError("device memory has no __array_interface__")
+        return {"shape": self.shape, "typestr": self.dtype.str, "data": (self.ptr, False), "version": 3}
+
+    def release(self) -> None:
+        """Release this view, and with it its hold. Idempotent."""
+        super().release()
+        self._hold = None
+
+    def __repr__(self) -> str:
+        state = "released" if self.released else self.backend
+        tag = f" tag={self.tag}" if self.tag else ""
+        kind = type(self).__name__
+        return f"<gpushare.{kind} shape={self.shape} dtype={self.dtype}{tag} device={self.device!r} {state}>"
+
+
 class _HostView:
     """Hands NumPy a host buffer's memory together with a reference that keeps it.
 

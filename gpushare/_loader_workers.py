@@ -79,7 +79,7 @@ def _worker_main(worker: int, allocator: Any, dataset: Any, collate: Any, tasks:
 
             _cuda.make_current(device)  # the context the slots need (started before unpickling)
             mark("context")
-        made = create_ring(allocator, (slot_bytes,), "uint8", device, slots=slots, backend=backend)
+        made = create_ring(allocator, (slot_bytes,), "uint8", device, slots, 1, backend, "auto")
         mark("ring")
         control.put(("ring", worker, made, dict(marks)))
         return made

@@ -369,7 +369,7 @@ class BufferManager(SyncManager):
         """
         from ._fanout import create_ring
 
-        ring = create_ring(self, shape, dtype, device, slots=slots, consumers=consumers, backend=backend, spin=spin)
+        ring = create_ring(self, shape, dtype, device, slots, consumers, backend, spin)
         self._rings.add(ring)
         return ring
 

@@ -138,18 +138,11 @@ class Ring(ProducerHandle):
 
 
 def create_ring(
-    manager: Any,
-    shape: Any,
-    dtype: Any = "float32",
-    device: Any = None,
-    *,
-    slots: int = 4,
-    consumers: int = 1,
-    backend: str | None = None,
-    spin: bool | float | str = "auto",
-) -> Ring:
+    manager: Any, shape: Any, dtype: Any, device: Any, slots: int, consumers: int, backend: str | None,
+    spin: bool | float | str,
+) -> Ring:  # fmt: skip
     """Allocate ``slots`` buffers (windows of one allocation) with ``manager`` and start the
-    ring's service (all or nothing)."""
+    ring's service (all or nothing). The arguments and their defaults are ``BufferManager.ring``'s."""
     if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= MAX_SLOTS:
         raise ValueError(f"slots={slots!r} must be an int from 1 to {MAX_SLOTS}")
     if isinstance(consumers, bool) or not isinstance(consumers, int) or consumers < 0:

@@ -15,9 +15,7 @@ import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
-import numpy as np
-
-from .._buffer import Buffer, byte_offset, memory_of
+from .._buffer import Buffer, HeldView, byte_offset, memory_of
 from .._errors import BufferReleasedError
 from ._layout import Layout
 
@@ -27,53 +25,24 @@ Family = weakref.WeakSet  # the views of one snapshot or draft
 _T = TypeVar("_T", bound="SlotTensors")
 
 
-class TensorView(Buffer):
+class TensorView(HeldView):
     """One tensor of a tensor set's version: a Buffer that holds its snapshot (or draft).
 
     ``tag`` names a dtype NumPy lacks (``"bfloat16"``) for a tensor stored as
     an unsigned int of its size; None otherwise. See :mod:`gpushare._fanout._views`.
     """
 
-    __slots__ = ("_family", "_hold", "tag")
+    __slots__ = ("_family",)
 
     def __init__(
         self, memory: Any, offset: int, shape: tuple[int, ...], dtype: Any, hold: Any, tag: str | None, family: Any
     ) -> None:
-        Buffer.__init__(self, memory, offset, shape, dtype)
-        self._hold = hold
-        self.tag = tag
+        HeldView.__init__(self, memory, offset, shape, dtype, hold, tag)
         self._family = family
         family.add(self)
 
-    def view(self, dtype: object = None, shape: object = None) -> Buffer:
-        plain = Buffer.view(self, dtype, shape)
-        tag = self.tag if plain.dtype == self.dtype else None  # a view as another dtype is no longer the tag's
-        out = TensorView(memory_of(plain), byte_offset(plain), plain.shape, plain.dtype, self._hold, tag, self._family)
-        plain.release()
-        return out
-
-    def numpy(self) -> np.ndarray[Any, Any]:
-        """Host backend: a zero-copy NumPy view that holds the slot; CUDA: a host copy."""
-        if self.device == "cpu":
-            self._check()
-            return np.asarray(self)  # through __array_interface__: the array's base is this view
-        return super().numpy()
-
-    @property
-    def __array_interface__(self) -> dict[str, Any]:
-        if self.device != "cpu":
-            raise AttributeError("device memory has no __array_interface__")
-        return {"shape": self.shape, "typestr": self.dtype.str, "data": (self.ptr, False), "version": 3}
-
-    def release(self) -> None:
-        """Release this view (and its hold on the slot). Idempotent."""
-        super().release()
-        self._hold = None
-
-    def __repr__(self) -> str:
-        state = "released" if self.released else self.backend
-        tag = f" tag={self.tag}" if self.tag else ""
-        return f"<gpushare.TensorView shape={self.shape} dtype={self.dtype}{tag} device={self.device!r} {state}>"
+    def _like(self, plain: Buffer, tag: str | None) -> TensorView:
+        return TensorView(memory_of(plain), byte_offset(plain), plain.shape, plain.dtype, self._hold, tag, self._family)
 
 
 def release_family(family: Any) -> None:
