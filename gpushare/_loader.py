@@ -27,7 +27,17 @@ from . import _backends
 from ._batch import SlotArray, SlotWriter, Staging, build, default_collate, rebuild_exception
 from ._buffer import Buffer
 from ._errors import LoaderError, OwnerGoneError, RingClosedError, WaitTimeoutError
-from ._loader_workers import POLL, Workers, current_dataset, start_forkserver, worker_context
+from ._loader_workers import (
+    POLL,
+    Answer,
+    RingReady,
+    StartFailed,
+    Task,
+    Workers,
+    current_dataset,
+    start_forkserver,
+    worker_context,
+)
 
 __all__ = ["SlotLoader", "current_dataset"]
 
@@ -406,7 +416,7 @@ class _Epoch:
                 self._exhausted = True
                 break
             k = self._sent % w.n
-            w.tasks[k].put((self._number, self._sent, list(indices)))
+            w.tasks[k].put(Task(self._number, self._sent, list(indices)))
             w.sent[k] += 1
             self._sent += 1
 
@@ -505,13 +515,15 @@ class _Epoch:
         w = self.workers
         while w.rings[worker] is None:
             message = w.stash[worker].popleft() if w.stash[worker] else self._control_message(worker, deadline, seq)
-            if message[0] == "ring":
-                w.rings[worker] = message[2]
-                w.timelines[worker].update(message[3], ring_received=time.time())
-            elif message[0] in ("error", "skip"):
-                return message[0], message[2], message[3], message[4] if message[0] == "error" else None, None
-            else:  # "fatal"
-                raise LoaderError(f"loader worker {worker} could not start: {message[3]}")
+            if type(message) is RingReady:
+                w.rings[worker] = message.ring
+                w.timelines[worker].update(message.marks, ring_received=time.time())
+            elif type(message) is Answer:  # an error, or a skip, before the worker had a ring
+                return message.kind, message.epoch, message.seq, message.payload, None
+            elif type(message) is StartFailed:
+                raise LoaderError(f"loader worker {worker} could not start: {message.payload[1]}")
+            else:
+                raise LoaderError(f"internal: loader worker {worker} sent {message!r}")
         ring = w.rings[worker]
         self._check_held(worker, ring)
         while True:
@@ -526,10 +538,10 @@ class _Epoch:
                 raise self._gone(worker, f"while batch {seq} was awaited") from None
             except RingClosedError:
                 raise LoaderError(f"loader worker {worker} closed its ring before batch {seq}") from None
-        kind, epoch, got, payload = item.meta
-        return kind, epoch, got, payload, item
+        answer: Answer = item.meta
+        return answer.kind, answer.epoch, answer.seq, answer.payload, item
 
-    def _control_message(self, worker: int, deadline: float | None, seq: int) -> tuple[Any, ...]:
+    def _control_message(self, worker: int, deadline: float | None, seq: int) -> RingReady | StartFailed | Answer:
         w = self.workers
         while True:
             try:
@@ -539,9 +551,9 @@ class _Epoch:
                     raise self._gone(worker, "before it sent its first batch") from None
                 self._expired(deadline, worker, seq)
                 continue
-            if message[1] == worker:
+            if message.worker == worker:
                 return message  # type: ignore[no-any-return]
-            w.stash[message[1]].append(message)
+            w.stash[message.worker].append(message)
 
     def _check_held(self, worker: int, ring: Any) -> None:
         if ring.stats()["held"] < self._loader.slots:

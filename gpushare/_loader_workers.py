@@ -6,6 +6,9 @@
   batch, build each task's batch into a free slot of it.
 - Stop (:func:`stop_workers`): the stop event, a ``None`` task each, a bounded join, then
   terminate and kill; only then are their rings left.
+- Messages: a :class:`Task` each way in, an :class:`Answer` per batch (a slot's ``meta``, or on
+  the control queue before the worker has a ring), :class:`RingReady` and :class:`StartFailed`
+  on the control queue.
 Why: docs/design.md, "The loader".
 """
 
@@ -16,7 +19,7 @@ import queue
 import time
 import weakref
 from collections import deque
-from typing import Any
+from typing import Any, NamedTuple
 
 from ._batch import SlotWriter, Staging, align, exception_payload
 from ._buffer import Buffer
@@ -26,6 +29,10 @@ from ._service import process_alive
 __all__ = [
     "JOIN_TIMEOUT",
     "POLL",
+    "Answer",
+    "RingReady",
+    "StartFailed",
+    "Task",
     "Workers",
     "current_dataset",
     "prepare_loaders",
@@ -36,6 +43,43 @@ __all__ = [
 
 POLL = 0.5  # seconds between liveness checks while waiting
 JOIN_TIMEOUT = 5.0  # seconds a finishing epoch waits for each worker before terminating it
+
+
+# -- the messages between the trainer and its workers -------------------------------------------
+class Task(NamedTuple):
+    """Trainer -> worker (its task queue): build batch ``seq`` of epoch ``epoch`` from ``indices``."""
+
+    epoch: int
+    seq: int
+    indices: list[Any]
+
+
+class Answer(NamedTuple):
+    """Worker -> trainer, about batch ``seq`` of epoch ``epoch``: ``kind`` ``"batch"`` (``payload``:
+    its layout in the slot), ``"skip"`` (its epoch was left early; no payload) or ``"error"``
+    (``payload``: the exception, :func:`~gpushare._batch.exception_payload`). It is the slot's
+    ``meta``; a worker that has no ring yet sends it on the control queue instead."""
+
+    worker: int
+    kind: str
+    epoch: int
+    seq: int
+    payload: Any
+
+
+class RingReady(NamedTuple):
+    """Worker -> trainer (control queue): its ring, made for its first batch, and its start-up marks."""
+
+    worker: int
+    ring: Any
+    marks: dict[str, float]
+
+
+class StartFailed(NamedTuple):
+    """Worker -> trainer (control queue): it could not start; ``payload`` is the exception."""
+
+    worker: int
+    payload: tuple[Any, str]
 
 
 # ---------------------------------------------------------------------------
@@ -81,7 +125,7 @@ def _worker_main(worker: int, allocator: Any, dataset: Any, collate: Any, tasks:
             mark("context")
         made = create_ring(allocator, (slot_bytes,), "uint8", device, slots, 1, backend, "auto")
         mark("ring")
-        control.put(("ring", worker, made, dict(marks)))
+        control.put(RingReady(worker, made, dict(marks)))
         return made
 
     try:
@@ -94,7 +138,7 @@ def _worker_main(worker: int, allocator: Any, dataset: Any, collate: Any, tasks:
         if options["slot_bytes"]:
             ring = ring_for(options["slot_bytes"])
     except BaseException as exc:
-        control.put(("fatal", worker, *exception_payload(exc, worker, -1)))
+        control.put(StartFailed(worker, exception_payload(exc, worker, -1)))
         return
     staging = Staging(device) if isinstance(device, int) else None
 
@@ -116,24 +160,24 @@ def _worker_main(worker: int, allocator: Any, dataset: Any, collate: Any, tasks:
             break
         if task is None:
             break
-        epoch, seq, indices = task
+        epoch, seq = task.epoch, task.seq
         slot = writer = None
         meta: Any
         try:
             if epoch < epoch_now.value:  # an epoch left early: the trainer drops it anyway
-                meta = ("skip", epoch, seq, None)
+                meta = Answer(worker, "skip", epoch, seq, None)
                 if ring is None:
-                    control.put(("skip", worker, epoch, seq))
+                    control.put(meta)
                     continue
                 slot = acquire()
                 if slot is None:
                     break
             else:
-                samples = _fetch(dataset, indices)
+                samples = _fetch(dataset, task.indices)
                 if ring is None:  # first batch: lay it out in scratch buffers, size the slots from it
                     mark("fetched")
                     writer = SlotWriter(allocator, None, device, backend)
-                    meta = ("batch", epoch, seq, writer.layout(collate(samples, writer)))
+                    meta = Answer(worker, "batch", epoch, seq, writer.layout(collate(samples, writer)))
                     writer.finish()
                     mark("collated")
                     ring = ring_for(max(1, align(writer.used)))
@@ -147,17 +191,17 @@ def _worker_main(worker: int, allocator: Any, dataset: Any, collate: Any, tasks:
                     if slot is None:
                         break
                     writer = SlotWriter(allocator, slot, device, backend, staging)
-                    meta = ("batch", epoch, seq, writer.layout(collate(samples, writer)))
+                    meta = Answer(worker, "batch", epoch, seq, writer.layout(collate(samples, writer)))
                     writer.finish()
         except Exception as exc:
             payload = exception_payload(exc, worker, seq)
             if writer is not None:
                 writer.clear()
                 writer = None
+            meta = Answer(worker, "error", epoch, seq, payload)
             if ring is None:
-                control.put(("error", worker, epoch, seq, payload))
+                control.put(meta)
                 continue
-            meta = ("error", epoch, seq, payload)
             if slot is None:
                 slot = acquire()
                 if slot is None:
@@ -204,7 +248,7 @@ def stop_workers(procs: list[Any], tasks: list[Any], control: Any, stop: Any, ri
         if proc.is_alive():
             proc.kill()
             proc.join(JOIN_TIMEOUT)
-    stashed = [message[2] for messages in stash for message in messages if message[0] == "ring"]
+    stashed = [message.ring for messages in stash for message in messages if type(message) is RingReady]
     for ring in (*rings, *stashed):  # a ring read ahead of its turn is registered too
         if ring is not None:
             ring.close()
