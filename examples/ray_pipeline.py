@@ -8,7 +8,7 @@ few Ray tasks that each check a slice. On a node other than the owner's,
 the same code would receive a copy of the batch through Ray's object store
 (``gpushare.ray.NodeCopy``).
 
-Needs Ray: pip install 'gpushare-mp[ray]'.
+Needs Ray: from a checkout, pip install '.[ray]' (gpushare is not on PyPI yet).
 Run: python examples/ray_pipeline.py [--batches N] [--rows R]
 """
 
@@ -16,10 +16,15 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import sys
 import time
 
 import numpy as np
-import ray
+
+try:
+    import ray
+except ImportError:
+    sys.exit("examples/ray_pipeline.py needs Ray, which is not installed here: pip install '.[ray]' from the checkout")
 
 import gpushare as mp
 

@@ -81,7 +81,7 @@ class _Extension:
     def __init__(self, module: str, attr: str, what: str) -> None:
         self.module = module
         self.attr = attr
-        self.what = what  # for messages: "region", "handoff", "queries"
+        self.what = what  # for messages: "region", "handoff", "driver queries"
         self.value: Any = None
         self.tried = False
         self.why_not: str | None = None
@@ -98,7 +98,7 @@ class _Extension:
                 module = importlib.import_module(self.module)
                 self.value = getattr(module, self.attr) if self.attr else module
             except (ImportError, AttributeError) as exc:
-                self.why_not = f"the compiled {self.what} ({self.module}) is not installed: {exc}"
+                self.why_not = f"{self.module} (the compiled {self.what}) is not installed: {exc}"
                 missing = exc
             self.tried = True
         if missing is not None:
@@ -107,7 +107,7 @@ class _Extension:
 
 
 _region = _Extension("gpushare._cregion", "Ring", "region")
-_queries = _Extension("gpushare._cuda._cqueries", "Queries", "queries")
+_queries = _Extension("gpushare._cuda._cqueries", "Queries", "driver queries")
 _handoff = _Extension("gpushare._chandoff", "", "handoff")
 
 

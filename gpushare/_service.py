@@ -41,6 +41,8 @@ import threading
 from multiprocessing import AuthenticationError, connection, parent_process, reduction
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from ._errors import WaitTimeoutError
+
 if TYPE_CHECKING:
     from collections.abc import Callable
     from typing import Concatenate, ParamSpec, TypeVar
@@ -656,10 +658,11 @@ class Client:
         return pending
 
     def answer(self, pending: Pending, timeout: float) -> Ok | OkFd | Err | None:
-        """The reply to ``pending``, or None if the connection ended first; TimeoutError after ``timeout``."""
+        """The reply to ``pending``, or None if the connection ended first; WaitTimeoutError (a
+        TimeoutError) after ``timeout``."""
         try:
             if not pending.done.wait(timeout):
-                raise TimeoutError(f"no reply within {timeout:g} s")
+                raise WaitTimeoutError(f"no reply within {timeout:g} s")
         finally:
             with self._wait_lock:
                 self._waiting.pop(pending.req, None)

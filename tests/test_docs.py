@@ -30,6 +30,8 @@ FRAGMENT = "<!-- fragment -->"
 _FENCE = re.compile(r"^(?P<indent>\s*)(?P<fence>`{3,}|~{3,})\s*(?P<info>[^`]*)$")
 # third-party packages a block may import; a block that needs one that is missing skips
 _OPTIONAL = ("torch", "ray", "cupy", "numba", "jax")
+#: gpushare's modules that need an optional package: a block importing one needs that package.
+_GPUSHARE_NEEDS = {"gpushare.torch": "torch", "gpushare.ray": "ray"}
 
 
 @dataclass(frozen=True)
@@ -108,8 +110,18 @@ def test_the_parser_reads_fragments_and_indented_fences(tmp_path: Path) -> None:
 
 
 def _needs(block: Block) -> list[str]:
-    imported = set(re.findall(r"^\s*(?:import|from)\s+(\w+)", block.code, re.M))
-    return [name for name in _OPTIONAL if name in imported]
+    """The optional packages ``block`` imports, itself or through a gpushare module that needs one."""
+    modules = set(re.findall(r"^\s*(?:import|from)\s+([\w.]+)", block.code, re.M))
+    needed = {name.split(".")[0] for name in modules} & set(_OPTIONAL)
+    for module in modules:
+        needed |= {package for prefix, package in _GPUSHARE_NEEDS.items() if (module + ".").startswith(prefix + ".")}
+    return sorted(needed)
+
+
+def test_a_block_that_imports_gpushare_torch_needs_torch() -> None:
+    code = "from gpushare.torch import bind\nimport gpushare.ray\nimport numpy\n"
+    block = Block("probe.md", 1, "python", False, code)
+    assert _needs(block) == ["ray", "torch"]
 
 
 def _run_block(block: Block, tmp_path: Path, backend: str | None) -> None:

@@ -71,6 +71,24 @@ def test_ray_pipeline_example_runs_on_host_backend() -> None:
     assert "LeakWarning" not in out.stderr and "leaked" not in out.stderr
 
 
+def test_ray_pipeline_example_without_ray_says_what_to_install() -> None:
+    code = (
+        "import runpy, sys; sys.modules['ray'] = None; sys.argv = [sys.argv[1]]; "
+        "runpy.run_path(sys.argv[0], run_name='__main__')"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, os.path.join(ROOT, "examples", "ray_pipeline.py")],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 1
+    assert "needs Ray" in out.stderr and "pip install '.[ray]'" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(GPU_EXAMPLES))
 def test_example_runs_on_gpu(name: str) -> None:
