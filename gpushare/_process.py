@@ -251,16 +251,22 @@ def _dry_run(obj: Any, protocol: int | None, main: Any) -> tuple[bool, bytes | N
     return True, None if stubbed else out.getvalue()
 
 
-_main_cache: tuple[Any, Any] = (None, None)  # (sys.modules["__main__"], _main_module_reimported())
+# (a weak reference to sys.modules["__main__"], whether _main_module_reimported() returns it). Weak:
+# a strong one kept the main module, and so the objects its globals name, alive past the interpreter's
+# clearing of it, until after multiprocessing's own modules were cleared; their finalizers then failed
+# at exit (a SharedMemoryManager's __del__: "'NoneType' object has no attribute 'debug'").
+_main_cache: tuple[Any, bool] = (lambda: None, False)
 
 
 def _reimported_main() -> Any:
     """:func:`_main_module_reimported`, asked once per main module."""
     global _main_cache
     main = sys.modules.get("__main__")
-    if main is None or _main_cache[0] is not main:
-        _main_cache = (main, _main_module_reimported())
-    return _main_cache[1]
+    if main is None:
+        return None
+    if _main_cache[0]() is not main:
+        _main_cache = (weakref.ref(main), _main_module_reimported() is main)
+    return main if _main_cache[1] else None
 
 
 _DIRECT: set[type] = set()  # classes whose objects skip the dry run (pickled_directly)

@@ -35,6 +35,7 @@ from conftest import (
     run_guarded,
     start,
     start_guarded,
+    subprocess_env,
     wait_until,
 )
 from workers import total, w_hold_until_told, w_sum_each
@@ -386,3 +387,39 @@ def test_an_idle_record_its_sharer_still_holds_stays_open_until_it_lets_go() -> 
     assert kicks and pool.revive(record)  # a share before housekeeping takes it back
     pool.offer(record)
     assert pool.to_free() == [record] and not record.pooled and not pool.revive(record)
+
+
+_SHARED_MEMORY_THEN_FORKSERVER = """
+import {package} as mp
+from {package}.managers import SharedMemoryManager
+
+
+def double(x):
+    return x * 2
+
+
+if __name__ == "__main__":
+    with SharedMemoryManager() as smm:
+        print(list(smm.ShareableList([1, 2, 3])))
+    p = mp.get_context("forkserver").Process(target=double, args=(1,))
+    p.start()
+    p.join()
+    print("exit", p.exitcode)
+"""
+
+
+@pytest.mark.parametrize("package", ["multiprocessing", "gpushare"])
+def test_a_shared_memory_manager_then_a_forkserver_child_exits_quietly(tmp_path, package) -> None:
+    """As multiprocessing does: nothing on stderr at exit (a strong reference to the main module once
+    kept the manager alive past multiprocessing's own teardown, and its __del__ failed there)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "smm.py"
+    script.write_text(_SHARED_MEMORY_THEN_FORKSERVER.format(package=package))
+    done = subprocess.run(
+        [sys.executable, str(script)], env=subprocess_env(), capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["[1, 2, 3]", "exit 0"]
+    assert done.stderr == "", done.stderr
