@@ -37,8 +37,11 @@ def _stand_in(path: Path, version: str | None) -> Path:
 
 
 def _make(tmp_path: Path, python: Path) -> subprocess.CompletedProcess[str]:
-    shutil.copy(Path(ROOT) / "Makefile", tmp_path / "Makefile")
-    shutil.copy(Path(ROOT) / "pyproject.toml", tmp_path / "pyproject.toml")
+    # The set-up's prerequisites: the Makefile, the project's metadata and the compiled core's sources.
+    for name in ("Makefile", "pyproject.toml", "setup.py", "gpushare/_region.c", "gpushare/_handoff.c",
+                 "gpushare/_cuda/_queries.c"):  # fmt: skip
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(Path(ROOT) / name, tmp_path / name)
     return subprocess.run(
         ["make", "-C", str(tmp_path), "demo", f"PYTHON={python}"],
         capture_output=True,
