@@ -202,22 +202,27 @@ class Buffer:
     # -- description --------------------------------------------------------
     @property
     def shape(self) -> tuple[int, ...]:
+        """The buffer's shape, as NumPy gives it (C order)."""
         return self._shape
 
     @property
     def dtype(self) -> np.dtype[Any]:
+        """The element type, a ``numpy.dtype`` (``ml_dtypes``' for bfloat16 and the float8 kinds)."""
         return self._dtype
 
     @property
     def ndim(self) -> int:
+        """The number of dimensions, ``len(shape)``."""
         return len(self._shape)
 
     @property
     def size(self) -> int:
+        """The number of elements, the product of ``shape``."""
         return math.prod(self._shape)
 
     @property
     def nbytes(self) -> int:
+        """The bytes its elements take, ``size * dtype.itemsize``."""
         return self.size * self._dtype.itemsize
 
     @property
@@ -243,10 +248,12 @@ class Buffer:
 
     @property
     def backend(self) -> str:
+        """The sharing mechanism of its memory: ``"cuda_ipc"``, ``"cuda_vmm"``, ``"cuda_pool"`` or ``"host"``."""
         return str(self._memory.backend.name)
 
     @property
     def released(self) -> bool:
+        """Whether :meth:`release` was called on this buffer (it may not be used after that)."""
         return not self._finalizer.alive
 
     @property

@@ -228,6 +228,23 @@ class BufferManager(SyncManager):
 
     # -- lifecycle -----------------------------------------------------------
     def start(self, initializer: Any = None, initargs: Any = ()) -> None:
+        """Start the Manager's server process, as ``SyncManager.start`` does.
+
+        Parameters
+        ----------
+        initializer : callable, optional
+            Called in the server process with ``initargs`` before it serves.
+        initargs : tuple
+            The arguments of ``initializer``.
+
+        Raises
+        ------
+        TypeError
+            If ``initializer`` is given and is not callable.
+        MainGuardError
+            If the server process died importing the main module (a script without an
+            ``if __name__ == "__main__":`` guard).
+        """
         if initializer is not None and not callable(initializer):
             raise TypeError("initializer must be a callable")
         try:
@@ -323,6 +340,34 @@ class BufferManager(SyncManager):
         return Buffer(memory, 0, dims, dt)
 
     def zeros(self, shape: Any, dtype: Any = "float32", device: Any = None, *, backend: str | None = None) -> Buffer:
+        """A buffer of zero bytes (0 in every numeric dtype), as ``numpy.zeros``.
+
+        Parameters
+        ----------
+        shape : int or tuple of int
+            The buffer's shape.
+        dtype : str or numpy.dtype
+            Its element type (``"float32"`` by default; ``"bfloat16"`` and the float8 kinds too).
+        device : int, "cuda:N", torch.device, "cpu" or None
+            A CUDA device, ``"cpu"`` for host shared memory, or None: the current CUDA
+            device when one is usable, else host memory (with a warning once).
+        backend : str, optional
+            The CUDA sharing mechanism (``"cuda_ipc"``, ``"cuda_vmm"``, ``"cuda_pool"``);
+            the Manager's default when omitted.
+
+        Returns
+        -------
+        Buffer
+
+        Raises
+        ------
+        NoDeviceError
+            If ``device`` names a CUDA device this machine does not have or cannot use.
+        OutOfMemoryError
+            If the device or the host has not the memory.
+        BackendUnavailableError
+            If ``backend`` cannot run on this machine.
+        """
         buf = self.empty(shape, dtype, device, backend=backend)
         buf.view("uint8", (buf.nbytes,)).fill(0)  # zero bytes, as numpy.zeros (float8_e8m0fnu has no 0.0)
         return buf
@@ -330,6 +375,26 @@ class BufferManager(SyncManager):
     def full(
         self, shape: Any, value: Any, dtype: Any = "float32", device: Any = None, *, backend: str | None = None
     ) -> Buffer:
+        """A buffer with every element ``value``, as ``numpy.full``.
+
+        Parameters
+        ----------
+        shape : int or tuple of int
+            The buffer's shape.
+        value : number
+            The value of every element, converted to ``dtype``.
+        dtype, device, backend
+            As for :meth:`zeros`.
+
+        Returns
+        -------
+        Buffer
+
+        Raises
+        ------
+        NoDeviceError, OutOfMemoryError, BackendUnavailableError
+            As for :meth:`zeros`.
+        """
         return self.empty(shape, dtype, device, backend=backend).fill(value)
 
     def from_numpy(self, array: Any, device: Any = None, *, backend: str | None = None) -> Buffer:

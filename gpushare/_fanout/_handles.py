@@ -34,10 +34,12 @@ class ProducerHandle:
 
     @property
     def backend(self) -> str:
+        """The sharing mechanism of the slots: ``"cuda_ipc"``, ``"cuda_vmm"``, ``"cuda_pool"`` or ``"host"``."""
         return self._core.buffers[0].backend  # type: ignore[no-any-return]
 
     @property
     def closed(self) -> bool:
+        """Whether this end was closed (by ``close()``, or because its Manager shut down)."""
         return self._core.closed is not None
 
     close: Callable[[], None]  # the handle's own
@@ -62,6 +64,7 @@ class TensorSetInfo:
 
     @property
     def names(self) -> tuple[str, ...]:
+        """The tensors' names, in packing order."""
         return self.layout.names
 
     @property

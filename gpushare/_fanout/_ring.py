@@ -57,14 +57,17 @@ class Ring(ProducerHandle):
 
     @property
     def slots(self) -> int:
+        """How many pre-shared buffers the ring cycles through."""
         return self._core.n
 
     @property
     def shape(self) -> tuple[int, ...]:
+        """The shape of every slot."""
         return self._core.buffers[0].shape
 
     @property
     def dtype(self) -> Any:
+        """The element type of every slot, a ``numpy.dtype``."""
         return self._core.buffers[0].dtype
 
     @property
@@ -113,6 +116,14 @@ class Ring(ProducerHandle):
         return self._core.stats()
 
     def _not_a_consumer(self, *args: Any, **kwargs: Any) -> NoReturn:
+        """A consumer's call (``get``, ``items``, ``release``, iteration), made on the producer's end.
+
+        Raises
+        ------
+        TypeError
+            Always, saying how a consumer gets its end: by unpickling the ring (a Process
+            argument, a queue or a pipe).
+        """
         raise TypeError(
             "this is the producer end of the ring (acquire/publish); consumers get theirs by unpickling "
             "it: pass the ring as a spawned Process argument, or through a queue or a pipe. (Under the "
