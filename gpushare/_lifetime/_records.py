@@ -544,11 +544,11 @@ class LeaseTable:
     def expire_locked(self) -> list[Lease]:
         """Drop the leases left unclaimed for longer than ``timeout``; return them.
 
-        Never under a consumer that claimed one by a journal record the owner has not read:
-        a lease unclaimed for half the timeout is announced in every journal (``dropped``,
-        see _protocol), and dropped once it is due and was announced half the timeout (at
-        least :data:`DROP_GRACE`) before the journals were last read. A consumer that claims
-        an announced lease asks the owner first; one that claims any other is read in time,
+        A lease is dropped only where no journal record can still claim it unread: a lease
+        unclaimed for half the timeout is announced in every journal (``dropped``, see
+        _protocol), and dropped once it is due and was announced half the timeout (at least
+        :data:`DROP_GRACE`) before the journals were last read. A consumer that claims an
+        announced lease asks the owner first; a claim of any other lease is read in time,
         even from its writer thread's backlog."""
         read_at = time.monotonic()
         self.catch_up_locked()
