@@ -129,8 +129,7 @@ class RequestLoop:
             if self._stop.is_set():
                 break
             with state.lock:
-                self._leases.catch_up_locked()
-                expired = self._leases.expire_locked()
+                expired = self._leases.expire_locked()  # reads the journals first
                 unused = self._pool.to_free()
             self.send_refusals()
             for lease in expired:
