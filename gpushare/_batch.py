@@ -1,7 +1,7 @@
 """The layout of a batch in a slot: the worker's SlotWriter, the trainer's SlotArray.
 
 - In the worker, ``collate(samples, writer)`` places each array at the next ``ALIGN``-byte
-  boundary (:class:`SlotWriter`); :meth:`SlotWriter.layout` describes the batch as plain values,
+  boundary (:class:`SlotWriter`); :meth:`SlotWriter._layout` describes the batch as plain values,
   sent as the ring item's ``meta``.
 - In the trainer, :func:`build` rebuilds the structure, a :class:`SlotArray` per array holding the item.
 - CPU samples for a CUDA slot go through page-locked :class:`Staging` on the legacy default stream.
@@ -191,11 +191,13 @@ class SlotWriter:
     array to write the values into on the CPU, and the Buffer in the slot they
     will be in once the batch is published (on the host backend ``host`` is
     the slot itself; on CUDA, a host array sent through staging at
-    :meth:`finish`).
+    the end of the batch).
     Anything else array-like that ``collate`` returns is copied into the
     slot; plain Python values travel as they are. ``device`` is the slots'
     device (``"cpu"`` or a CUDA ordinal).
     """
+
+    __module__ = "gpushare"  # its public name (help, tracebacks, pickles)
 
     def __init__(
         self,
@@ -222,7 +224,28 @@ class SlotWriter:
         self._regions: dict[int, tuple[Buffer, int, str | None]] = {}
 
     def empty(self, shape: Any, dtype: Any = "float32", *, tag: str | None = None) -> Buffer:
-        """An uninitialised array of ``shape`` and ``dtype`` in the slot (``tag``: for adapters)."""
+        """An uninitialised array in the slot, at its next aligned free place.
+
+        Parameters
+        ----------
+        shape : int or tuple of int
+            The array's shape.
+        dtype : str or numpy.dtype
+            Its element type (``"float32"``).
+        tag : str, optional
+            A dtype name NumPy lacks (``"bfloat16"``), for adapters: the trainer's
+            :class:`SlotArray` carries it.
+
+        Returns
+        -------
+        Buffer
+            The array, to write and return in the batch.
+
+        Raises
+        ------
+        LoaderError
+            If the batch would outgrow the slot (pass ``slot_bytes=`` to the loader).
+        """
         dims = check_shape(shape)
         dt = check_dtype(dtype)
         offset = align(self.used)
@@ -243,10 +266,29 @@ class SlotWriter:
         return buf
 
     def staged_empty(self, shape: Any, dtype: Any = "float32", *, tag: str | None = None) -> tuple[Any, Buffer]:
-        """``(host, buffer)``: write the array's values into the NumPy array ``host``; ``buffer``
-        is where they are in the slot once :meth:`finish` ran (the same memory on the host
-        backend). On CUDA ``host`` is plain memory sent through staging at :meth:`finish`;
-        :meth:`stacked` saves that host copy when the values are already in memory."""
+        """An array in the slot, written on the CPU.
+
+        On CUDA ``host`` is plain memory sent through staging when the batch is
+        done; :meth:`stacked` saves that host copy when the values are already in
+        memory.
+
+        Parameters
+        ----------
+        shape, dtype, tag
+            As for :meth:`empty`.
+
+        Returns
+        -------
+        host : numpy.ndarray
+            Where to write the values (on the host backend, the slot itself).
+        buffer : Buffer
+            Where they are in the slot once the batch is done: return it in the batch.
+
+        Raises
+        ------
+        LoaderError
+            As for :meth:`empty`.
+        """
         buf = self.empty(shape, dtype, tag=tag)
         if buf.device == "cpu":
             return buf.numpy(), buf
@@ -258,10 +300,30 @@ class SlotWriter:
         return host, buf
 
     def stacked(self, shape: Any, dtype: Any, parts: list[tuple[int, int]], *, tag: str | None = None) -> Buffer:
-        """An array of ``shape`` and ``dtype`` in the slot whose bytes are ``parts``, host
-        ``(address, length)`` pairs in order (the samples of a stack), which the caller keeps
-        alive for the call. Each byte is copied once on the host: into a host slot, or into
-        page-locked staging bound for a CUDA slot (see the module docstring)."""
+        """An array in the slot whose bytes are ``parts``, in order: the samples of a stack.
+
+        Each byte is copied once on the host: into a host slot, or into page-locked
+        staging bound for a CUDA slot.
+
+        Parameters
+        ----------
+        shape, dtype, tag
+            As for :meth:`empty`.
+        parts : list of (int, int)
+            Host ``(address, length)`` pairs, which the caller keeps alive for the call.
+
+        Returns
+        -------
+        Buffer
+            The array, to return in the batch.
+
+        Raises
+        ------
+        ValueError
+            If the parts do not hold exactly the array's bytes.
+        LoaderError
+            As for :meth:`empty`.
+        """
         buf = self.empty(shape, dtype, tag=tag)
         total = sum(length for _, length in parts)
         if total != buf.nbytes:
@@ -288,7 +350,26 @@ class SlotWriter:
         return buf
 
     def put(self, array: Any, *, tag: str | None = None) -> Buffer:
-        """Copy ``array`` (NumPy, array-like or a CUDA array) into the slot; return its Buffer there."""
+        """Copy an array into the slot.
+
+        Parameters
+        ----------
+        array : array_like or CUDA array
+            NumPy, anything ``numpy.asarray`` takes, or an object with
+            ``__cuda_array_interface__``.
+        tag : str, optional
+            As for :meth:`empty`.
+
+        Returns
+        -------
+        Buffer
+            The copy in the slot, to return in the batch.
+
+        Raises
+        ------
+        LoaderError
+            As for :meth:`empty`.
+        """
         cai = getattr(array, "__cuda_array_interface__", None)
         if cai is not None:
             shape, dtype = tuple(cai["shape"]), np.dtype(cai["typestr"])
@@ -297,7 +378,7 @@ class SlotWriter:
         return self.stacked(array.shape, array.dtype, [(array.ctypes.data, array.nbytes)] if array.nbytes else [],
                             tag=tag)  # fmt: skip
 
-    def finish(self) -> None:
+    def _finish(self) -> None:
         """Send what :meth:`staged_empty` handed out through staging and queue the last copy,
         before the slot is published. On the host backend there is nothing to do."""
         for buf, host in self._scratch_copies:
@@ -311,7 +392,7 @@ class SlotWriter:
         self._pending.clear()
         self._staging.flush()
 
-    def layout(self, tree: Any) -> Any:
+    def _layout(self, tree: Any) -> Any:
         """The batch's structure with each array replaced by ``("array", offset, shape, dtype, tag)``."""
         kind = type(tree)
         if isinstance(tree, Buffer):
@@ -321,18 +402,18 @@ class SlotWriter:
             buf, offset, tag = known
             return ("array", offset, buf.shape, buf.dtype.str, tag)
         if kind is dict:
-            return ("dict", [(key, self.layout(value)) for key, value in tree.items()])
+            return ("dict", [(key, self._layout(value)) for key, value in tree.items()])
         if kind in (list, tuple):
-            return (kind.__name__, [self.layout(value) for value in tree])
+            return (kind.__name__, [self._layout(value) for value in tree])
         if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # a namedtuple
-            return ("namedtuple", kind, [self.layout(value) for value in tree])
+            return ("namedtuple", kind, [self._layout(value) for value in tree])
         if isinstance(tree, (np.ndarray, np.generic)) or (
             not isinstance(tree, (str, bytes)) and hasattr(tree, "__cuda_array_interface__")
         ):
-            return self.layout(self.put(tree))
+            return self._layout(self.put(tree))
         return ("value", tree)
 
-    def move_into(self, slot: Buffer) -> None:
+    def _move_into(self, slot: Buffer) -> None:
         """First batch: copy the scratch arrays into ``slot`` at their offsets, then free them."""
         for buf, offset, _ in self._regions.values():
             target = window(slot, offset, buf.shape, buf.dtype)
@@ -423,6 +504,8 @@ class SlotArray(HeldView):
     tensors) is gone, or released. ``tag`` is what the worker's collate
     attached to this array (adapters use it, e.g. for dtypes NumPy lacks).
     """
+
+    __module__ = "gpushare"  # its public name (help, tracebacks, pickles)
 
     __slots__ = ()
 

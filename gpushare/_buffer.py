@@ -164,6 +164,8 @@ class Buffer:
     Buffers have no public constructor.
     """
 
+    __module__ = "gpushare"  # its public name (help, tracebacks, pickles)
+
     __slots__ = ("__weakref__", "_dtype", "_export", "_finalizer", "_memory", "_offset", "_shape")
 
     def __init__(
@@ -315,8 +317,28 @@ class Buffer:
     def view(self, dtype: object = None, shape: object = None) -> Buffer:
         """A new Buffer over the same memory with another dtype and/or shape.
 
-        ``shape`` may hold one ``-1``; the view may be smaller than the
-        buffer but never larger. The view keeps the memory alive on its own.
+        The view keeps the memory alive on its own: releasing this buffer does not
+        end it.
+
+        Parameters
+        ----------
+        dtype : str or numpy.dtype, optional
+            The view's element type; this buffer's when omitted.
+        shape : int or tuple of int, optional
+            The view's shape, which may hold one ``-1``. When omitted, the last
+            dimension is rescaled to the new dtype (or the view is flat).
+
+        Returns
+        -------
+        Buffer
+            A view that may be smaller than this buffer, never larger.
+
+        Raises
+        ------
+        ValueError
+            If the shape does not fit the buffer's bytes or cannot be inferred.
+        BufferReleasedError
+            If this buffer was released.
         """
         self._check()
         dt = self._dtype if dtype is None else check_dtype(dtype)
@@ -347,8 +369,19 @@ class Buffer:
         return Buffer(self._memory, self._offset, new_shape, dt)
 
     def numpy(self) -> np.ndarray[Any, Any]:
-        """The contents as a NumPy array: a zero-copy view on the host backend,
-        a host copy of device memory on CUDA."""
+        """The contents as a NumPy array.
+
+        Returns
+        -------
+        numpy.ndarray
+            On the host backend a zero-copy view of the shared memory; on a CUDA
+            backend a host copy of the device memory.
+
+        Raises
+        ------
+        BufferReleasedError
+            If this buffer was released.
+        """
         import numpy as np
 
         self._check()
@@ -362,10 +395,27 @@ class Buffer:
         return out
 
     def copy_from(self, array: object) -> Buffer:
-        """Copy ``array`` (NumPy, anything array-like, or a CUDA array) into this buffer.
+        """Copy ``array`` into this buffer.
 
-        The source must have as many elements as the buffer; it is cast to
-        the buffer's dtype. Returns ``self``.
+        Parameters
+        ----------
+        array : array_like or CUDA array
+            A NumPy array, anything ``numpy.asarray`` takes, or (for a CUDA buffer) an
+            object with ``__cuda_array_interface__`` (torch, CuPy, Numba), copied on
+            the device. It must have as many elements as the buffer and is cast to the
+            buffer's dtype.
+
+        Returns
+        -------
+        Buffer
+            This buffer.
+
+        Raises
+        ------
+        ValueError
+            If the element counts differ.
+        BufferReleasedError
+            If this buffer was released.
         """
         self._check()
         memory = self._memory
@@ -387,7 +437,23 @@ class Buffer:
         return self
 
     def fill(self, value: object) -> Buffer:
-        """Set every element to ``value``. Returns ``self``."""
+        """Set every element to ``value``.
+
+        Parameters
+        ----------
+        value : number
+            The value, converted to the buffer's dtype.
+
+        Returns
+        -------
+        Buffer
+            This buffer.
+
+        Raises
+        ------
+        BufferReleasedError
+            If this buffer was released.
+        """
         import numpy as np
 
         self._check()
@@ -488,7 +554,14 @@ class HeldView(Buffer):
         return out
 
     def numpy(self) -> np.ndarray[Any, Any]:
-        """Host memory: a zero-copy NumPy view, which holds what this holds; device memory: a host copy."""
+        """The contents as a NumPy array.
+
+        Returns
+        -------
+        numpy.ndarray
+            Host memory: a zero-copy view, which holds what this view holds; device
+            memory: a host copy.
+        """
         if self.device == "cpu":
             import numpy as np
 

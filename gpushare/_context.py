@@ -45,19 +45,49 @@ class _ManagerMixin:
     """What gpushare's contexts change: Manager, Queue, JoinableQueue, SimpleQueue, Pool."""
 
     def Queue(self, maxsize: int = 0) -> Any:
-        """A queue that pickles items in ``put()`` (see gpushare._queues)."""
+        """A queue for processes, as ``multiprocessing.Queue``.
+
+        ``put()`` pickles the item in the caller (lambdas and closures too), and
+        ``get()`` raises :class:`~gpushare.OwnerGoneError` instead of waiting forever
+        once no other process can put.
+
+        Parameters
+        ----------
+        maxsize : int
+            The most items the queue holds, counted across every process (0: no bound).
+
+        Returns
+        -------
+        gpushare.queues.Queue
+        """
         from ._queues import Queue
 
         return Queue(maxsize, ctx=self.get_context())  # type: ignore[attr-defined]
 
     def JoinableQueue(self, maxsize: int = 0) -> Any:
-        """A joinable queue that pickles items in ``put()`` (see gpushare._queues)."""
+        """:meth:`Queue` with ``task_done()`` and ``join()``, as ``multiprocessing.JoinableQueue``.
+
+        Parameters
+        ----------
+        maxsize : int
+            As for :meth:`Queue`.
+
+        Returns
+        -------
+        gpushare.queues.JoinableQueue
+        """
         from ._queues import JoinableQueue
 
         return JoinableQueue(maxsize, ctx=self.get_context())  # type: ignore[attr-defined]
 
     def SimpleQueue(self) -> Any:
-        """A simple queue whose items are pickled as a Process's arguments are (see gpushare._queues)."""
+        """``multiprocessing.SimpleQueue`` whose items are pickled as a Process's arguments are
+        (lambdas and closures too).
+
+        Returns
+        -------
+        gpushare.queues.SimpleQueue
+        """
         from ._queues import SimpleQueue
 
         if "concurrent.futures.process" in sys.modules:
@@ -74,14 +104,35 @@ class _ManagerMixin:
         initargs: Any = (),
         maxtasksperchild: int | None = None,
     ) -> Any:
-        """A :class:`multiprocessing.pool.Pool` of gpushare processes whose tasks and results are
-        pickled as a Process's arguments are (see gpushare._pool)."""
+        """A ``multiprocessing.pool.Pool`` of gpushare processes whose tasks and results are
+        pickled as a Process's arguments are (lambdas and closures too).
+
+        Parameters
+        ----------
+        processes, initializer, initargs, maxtasksperchild
+            As for ``multiprocessing.Pool``.
+
+        Returns
+        -------
+        multiprocessing.pool.Pool
+        """
         from ._pool import Pool
 
         return Pool(processes, initializer, initargs, maxtasksperchild, context=self.get_context())  # type: ignore[attr-defined]
 
     def Manager(self, **options: Any) -> Any:
-        """A started :class:`~gpushare.BufferManager` (also a full multiprocessing Manager)."""
+        """A started :class:`~gpushare.BufferManager` (also a full multiprocessing Manager).
+
+        Parameters
+        ----------
+        **options
+            :class:`~gpushare.BufferManager`'s parameters.
+
+        Returns
+        -------
+        BufferManager
+            Started; ``with`` shuts it down.
+        """
         from ._manager import BufferManager
 
         manager = BufferManager(ctx=self.get_context(), **options)  # type: ignore[attr-defined]
@@ -110,18 +161,29 @@ _concrete: dict[str, Any] = {"spawn": SpawnContext(), "forkserver": ForkServerCo
 class Process(GpuProcessMixin):
     """A gpushare worker: ``multiprocessing.Process`` plus ``device=``.
 
-    ``device``: the CUDA device the child works on (an int, ``"cuda:N"``, a
-    ``torch.device``), made current in the child before the target runs (in torch and
-    CuPy too, where loaded), or ``"cpu"`` for a child whose ``device=None`` means host
-    memory. A CUDA device is checked in ``start()``, which raises
-    :class:`~gpushare.NoDeviceError` in the parent when the child would not have it;
-    None leaves the child's device alone. The target and arguments may be lambdas and
-    closures (they travel with cloudpickle when the standard pickle cannot carry
-    them). ``start()`` refuses the fork start method once CUDA is initialised in the
-    parent; at exit the child releases every buffer it still holds.
+    The target and arguments may be lambdas and closures (they travel with cloudpickle
+    when the standard pickle cannot carry them). At exit the child releases every
+    buffer it still holds. It uses the start method of gpushare's default context
+    (spawn unless :func:`gpushare.set_start_method` says otherwise).
 
-    Uses the start method of gpushare's default context (spawn unless
-    :func:`gpushare.set_start_method` says otherwise).
+    Parameters
+    ----------
+    group, target, name, args, kwargs, daemon
+        As for ``multiprocessing.Process``.
+    device : int, "cuda:N", torch.device or "cpu", optional
+        The CUDA device the child works on, made current in the child before the
+        target runs (in torch and CuPy too, where loaded), or ``"cpu"`` for a child
+        whose ``device=None`` means host memory. None (default) leaves the child's
+        device alone.
+
+    Raises
+    ------
+    ValueError
+        If ``device`` is not one of the values above.
+    NoDeviceError
+        From ``start()``, in the parent, when the child would not have the CUDA device.
+    StartMethodError
+        From ``start()``: the fork start method once CUDA is initialised in the parent.
     """
 
     _start_method = None
@@ -157,6 +219,13 @@ class DefaultContext(_ManagerMixin, _mpctx.DefaultContext):
         return ctx
 
     def get_all_start_methods(self) -> list[str]:
+        """The start methods this platform has, as ``multiprocessing.get_all_start_methods``.
+
+        Returns
+        -------
+        list of str
+            Those of "spawn", "forkserver" and "fork" this platform has, in that order.
+        """
         return [m for m in ("spawn", "forkserver", "fork") if m in multiprocessing.get_all_start_methods()]
 
 
@@ -164,12 +233,42 @@ _default_context = DefaultContext(_concrete["spawn"])
 
 
 def get_context(method: str | None = None) -> Any:
-    """gpushare's context for ``method`` ("spawn", "forkserver" or "fork"; None: the default,
-    spawn unless ``gpushare.set_start_method`` changed it). Like multiprocessing's, with
-    gpushare's Process, Manager and queues; ``gpushare.set_start_method`` never changes
-    plain multiprocessing's default, nor the other way round."""
+    """gpushare's context for a start method, as ``multiprocessing.get_context``.
+
+    Its Process, Manager, Pool and queues are gpushare's. ``gpushare.set_start_method``
+    never changes plain multiprocessing's default, nor the other way round.
+
+    Parameters
+    ----------
+    method : {"spawn", "forkserver", "fork"}, optional
+        None (default): the default context, spawn unless ``gpushare.set_start_method``
+        chose another.
+
+    Returns
+    -------
+    gpushare.context.SpawnContext, ForkServerContext, ForkContext or DefaultContext
+
+    Raises
+    ------
+    ValueError
+        If ``method`` is not a start method this platform has.
+    """
     return _default_context.get_context(method)
 
 
 def get_start_method(allow_none: bool = False) -> Any:
+    """The default context's start method, as ``multiprocessing.get_start_method``."""
     return _default_context.get_start_method(allow_none)
+
+
+# Their public names in help() and tracebacks. Contexts are never pickled. SpawnProcess and
+# its kin keep their module, which a spawned child imports to rebuild one.
+for _cls in (SpawnContext, ForkServerContext, ForkContext, DefaultContext):
+    _cls.__module__ = "gpushare.context"
+for _function in (*vars(_ManagerMixin).values(), DefaultContext.get_context, DefaultContext.get_all_start_methods,
+                  get_context, get_start_method):  # fmt: skip
+    if callable(_function):
+        _function.__module__ = "gpushare"
+Process.__module__ = "gpushare"  # a spawned child finds it as gpushare.Process, which the facade holds
+DefaultContext.get_context.__doc__ = get_context.__doc__  # gpushare.get_context is the bound method
+del _cls, _function

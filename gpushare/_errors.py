@@ -14,6 +14,7 @@ __all__ = [
     "BufferReleasedError",
     "CUDAError",
     "CUDAOutOfMemoryError",
+    "CompiledCoreWarning",
     "DescriptorError",
     "GpushareError",
     "LayoutError",
@@ -174,3 +175,8 @@ class CompiledCoreWarning(RuntimeWarning):
     their Python path, several times slower (given once per process). ``python -m gpushare info``
     says why; reinstall where a C compiler and Python's headers are present, or from a wheel, or
     set ``GPUSHARE_NATIVE=0`` to choose the Python path without this warning."""
+
+
+for _name in __all__:  # their public names, in tracebacks, help() and pickles: gpushare.OwnerGoneError
+    globals()[_name].__module__ = "gpushare"
+del _name

@@ -184,37 +184,75 @@ class SlotLoader:
             use(batch)                 # views of the worker's slot: no copy on this side
                                        # the slot goes back when the batch is dropped
 
-    ``dataset`` is map-style (``dataset[i]``, and ``len()`` unless
-    ``batch_sampler`` is given) and picklable: each worker gets a copy.
-    ``batch_sampler`` is any re-iterable of index lists; otherwise
-    ``batch_size``, ``shuffle``, ``drop_last`` and ``seed`` make one.
-    ``collate(samples, writer)`` builds a batch into the slot
-    (:func:`default_collate` stacks arrays; see :class:`SlotWriter`).
-    ``slots`` per worker bound the memory: ``num_workers * slots`` slots of
-    ``slot_bytes`` (default: the first batch's size, rounded up to 256 bytes;
-    a worker's slots are one allocation, a slot every 64 KiB).
-    ``device`` is where the slots live (a CUDA device, or ``"cpu"`` for
-    host shared memory); workers are bound to it. ``worker_init(worker_id)``
-    runs first in each worker. ``timeout`` bounds the wait for one batch
-    (:class:`~gpushare.WaitTimeoutError`, a ``TimeoutError``).
-    ``persistent_workers``: keep the workers, their rings and their slots
-    from one epoch to the next (the next epoch's first batch then comes as
-    fast as a batch is built). ``pin_memory``: with ``device="cpu"``, the
-    slots are page-locked, so host-to-device copies of the batches are
-    asynchronous (torch's ``pin_memory``). ``manager``: a started Manager
-    to allocate the slots from (either owner mode); by default the loader
-    owns them itself, in this process. ``multiprocessing_context`` starts
-    the workers: by default they are forked from multiprocessing's
-    forkserver (it imports torch and numpy once and never sees CUDA, so a
-    loader's workers start in a fraction of a second; while none runs, GPU
-    workers are spawned and it starts after their first batch);
-    ``"spawn"`` starts a fresh interpreter per worker (environment changes
-    made after the forkserver started reach spawned workers only).
+    Parameters
+    ----------
+    dataset : map-style dataset
+        ``dataset[i]``, and ``len()`` unless ``batch_sampler`` is given; picklable:
+        each worker gets a copy.
+    batch_size, shuffle, drop_last, seed
+        Make the batches' index lists when ``batch_sampler`` is not given (1, False,
+        False, None: a seed drawn at random).
+    batch_sampler : iterable of lists of int, optional
+        Any re-iterable of index lists.
+    num_workers : int
+        Worker processes, 1 or more (2).
+    slots : int
+        Slots per worker (4), which bound the memory: ``num_workers * slots`` slots
+        of ``slot_bytes``.
+    slot_bytes : int, optional
+        Default: the first batch's size, rounded up to 256 bytes (a worker's slots
+        are one allocation, a slot every 64 KiB).
+    prefetch : int, optional
+        Batches asked of each worker ahead of the one being read (default: ``slots``);
+        a worker builds them as its slots come free.
+    device : int, "cuda:N", torch.device or "cpu", optional
+        Where the slots live (a CUDA device, or ``"cpu"`` for host shared memory);
+        workers are bound to it. None: as for :meth:`BufferManager.zeros`.
+    backend : str, optional
+        The CUDA sharing mechanism, as for :meth:`BufferManager.zeros`.
+    collate : callable, optional
+        ``collate(samples, writer)`` builds a batch into the slot
+        (:func:`default_collate` stacks arrays; see :class:`SlotWriter`).
+    worker_init : callable, optional
+        ``worker_init(worker_id)`` runs first in each worker.
+    timeout : float, optional
+        Seconds to wait for one batch (None: no bound).
+    persistent_workers : bool
+        Keep the workers, their rings and their slots from one epoch to the next
+        (the next epoch's first batch then comes as fast as a batch is built).
+    pin_memory : bool
+        With ``device="cpu"``, page-lock the slots, so host-to-device copies of the
+        batches are asynchronous (torch's ``pin_memory``).
+    manager : BufferManager, optional
+        A started Manager to allocate the slots from (either owner mode); by
+        default the loader owns them itself, in this process.
+    multiprocessing_context : context or str, optional
+        What starts the workers. By default they are forked from multiprocessing's
+        forkserver (it imports torch and numpy once and never sees CUDA, so a
+        loader's workers start in a fraction of a second; while none runs, GPU
+        workers are spawned and it starts after their first batch); ``"spawn"``
+        starts a fresh interpreter per worker (environment changes made after the
+        forkserver started reach spawned workers only).
 
+    Raises
+    ------
+    ValueError, TypeError
+        If an argument is out of range or of the wrong kind (the message names it).
+    WaitTimeoutError
+        While iterating: no batch within ``timeout`` (a ``TimeoutError``).
+    OwnerGoneError
+        While iterating: a worker died.
+    LoaderError
+        While iterating: a worker could not start, or a batch outgrew its slot.
+
+    Notes
+    -----
     Close the loader (``close()``, or ``with SlotLoader(...) as loader:``)
     to stop persistent workers at once; dropping it does the same. Its
     memory goes when the loader and every batch it handed out are gone.
     """
+
+    __module__ = "gpushare"  # its public name (help, tracebacks, pickles)
 
     def __init__(
         self,
@@ -305,9 +343,18 @@ class SlotLoader:
         return array
 
     def stats(self) -> dict[str, Any]:
-        """The memory the loader holds: slots (count, bytes each), page-locked bytes, workers;
-        and ``first_batch_s``, where the latest epoch's first batch spent its time.
+        """The memory the loader holds, and where its latest first batch spent its time.
 
+        Returns
+        -------
+        dict
+            ``workers``, ``persistent_workers``, ``slots``, ``slot_bytes``,
+            ``device_bytes``, ``host_bytes``, ``staging_bytes_per_worker`` (page-locked
+            memory for CPU samples bound for CUDA slots), ``pinned`` and
+            ``first_batch_s``.
+
+        Notes
+        -----
         ``first_batch_s`` (None before a first batch) maps step names to seconds since
         ``iter()`` began that epoch, in order. ``returned``: ``next()`` gave the batch.
         With workers started for that epoch, worker 0's start-up too: ``spawned`` (the

@@ -177,22 +177,22 @@ def _worker_main(worker: int, allocator: Any, dataset: Any, collate: Any, tasks:
                 if ring is None:  # first batch: lay it out in scratch buffers, size the slots from it
                     mark("fetched")
                     writer = SlotWriter(allocator, None, device, backend)
-                    meta = Answer(worker, "batch", epoch, seq, writer.layout(collate(samples, writer)))
-                    writer.finish()
+                    meta = Answer(worker, "batch", epoch, seq, writer._layout(collate(samples, writer)))
+                    writer._finish()
                     mark("collated")
                     ring = ring_for(max(1, align(writer.used)))
                     slot = acquire()
                     if slot is None:
                         break
-                    writer.move_into(slot)
+                    writer._move_into(slot)
                     allocator.released_transient()  # the scratch memory is freed now, not pooled
                 else:
                     slot = acquire()
                     if slot is None:
                         break
                     writer = SlotWriter(allocator, slot, device, backend, staging)
-                    meta = Answer(worker, "batch", epoch, seq, writer.layout(collate(samples, writer)))
-                    writer.finish()
+                    meta = Answer(worker, "batch", epoch, seq, writer._layout(collate(samples, writer)))
+                    writer._finish()
         except Exception as exc:
             payload = exception_payload(exc, worker, seq)
             if writer is not None:
@@ -332,9 +332,16 @@ def start_forkserver() -> bool:
 
 def prepare_loaders() -> bool:
     """Start the process that loaders fork their workers from now, so the first loader's
-    workers are forks too; True once it runs, False where the platform has none or it
-    could not start (a warning says why; loaders then spawn their workers).
+    workers are forks too.
 
+    Returns
+    -------
+    bool
+        True once it runs; False where the platform has none or it could not start
+        (a warning says why; loaders then spawn their workers).
+
+    Notes
+    -----
     That process is multiprocessing's forkserver, started with gpushare's worker
     module and whatever of torch, numpy and cuda.bindings this process has
     imported, never the main script; it imports them in its own process while
@@ -349,6 +356,9 @@ def prepare_loaders() -> bool:
     ``multiprocessing_context="spawn"`` does not use it.
     """
     return _ensure_forkserver()
+
+
+prepare_loaders.__module__ = "gpushare"  # its public name
 
 
 def _ensure_forkserver() -> bool:

@@ -173,24 +173,41 @@ class _Owning:
 class BufferManager(SyncManager):
     """A multiprocessing Manager that allocates buffers other processes can map.
 
-    Parameters beyond SyncManager's:
+    ``gpushare.Manager(**options)`` makes one and starts it; ``with`` shuts it down.
+    It is also a full ``multiprocessing.managers.SyncManager`` (``dict()``,
+    ``list()``, ``Queue()`` ...).
 
-    backend
-        Default backend for CUDA buffers (``"cuda_ipc"``).
-    lease_timeout
-        Seconds a pickled-but-never-unpickled buffer stays leased (60). Past that
-        it expires with a ``LeaseExpiredWarning``, and unpickling it raises
-        ``DescriptorError``.
-    release_timeout
-        Seconds shutdown waits for workers to release their buffers (5).
-    pool_limit
-        Bytes of freed allocations kept for reuse (None: no limit; see trim()).
-    owner
+    Parameters
+    ----------
+    address, authkey, serializer, ctx
+        As for ``SyncManager``; ``ctx`` is gpushare's default context when omitted.
+    backend : str, optional
+        The default backend of CUDA buffers: ``"cuda_ipc"`` (when omitted),
+        ``"cuda_vmm"`` or ``"cuda_pool"``.
+    lease_timeout : float
+        Seconds a buffer pickled but never unpickled stays leased (60). Past that the
+        lease expires with a :class:`~gpushare.LeaseExpiredWarning`, and unpickling it
+        raises :class:`~gpushare.DescriptorError`.
+    release_timeout : float
+        Seconds :meth:`shutdown` waits for other processes to release their buffers,
+        and for shares in flight to be claimed (5).
+    pool_limit : int, optional
+        Bytes of freed allocations kept for reuse (None: no limit; see :meth:`trim`).
+    owner : {"process", "server"}
         ``"process"`` (default): the process that started the Manager owns the
-        memory. ``"server"``: the Manager's server process owns it, and a
-        buffer lives while any process holds it, even after the process that
-        asked for it died (see gpushare._manager_server).
+        memory. ``"server"``: the Manager's server process owns it, and a buffer
+        lives while any process holds it, even after the process that asked for it
+        died (docs/concepts.md, ``owner="server"``).
+
+    Raises
+    ------
+    BackendUnavailableError
+        If ``backend`` is not a known backend.
+    ValueError
+        If ``owner`` is not one of the two modes.
     """
+
+    __module__ = "gpushare"  # its public name (help, tracebacks, pickles)
 
     def __init__(
         self,
@@ -325,7 +342,24 @@ class BufferManager(SyncManager):
 
     # -- allocation ------------------------------------------------------------
     def empty(self, shape: Any, dtype: Any = "float32", device: Any = None, *, backend: str | None = None) -> Buffer:
-        """An uninitialised buffer (contents are whatever the memory held)."""
+        """An uninitialised buffer: its contents are whatever the memory held.
+
+        Parameters
+        ----------
+        shape, dtype, device, backend
+            As for :meth:`zeros`.
+
+        Returns
+        -------
+        Buffer
+
+        Raises
+        ------
+        NoDeviceError, OutOfMemoryError, BackendUnavailableError
+            As for :meth:`zeros`.
+        ManagerClosedError
+            If the Manager is not started or was shut down.
+        """
         from ._buffer import Buffer
 
         self._check_started()
@@ -398,14 +432,50 @@ class BufferManager(SyncManager):
         return self.empty(shape, dtype, device, backend=backend).fill(value)
 
     def from_numpy(self, array: Any, device: Any = None, *, backend: str | None = None) -> Buffer:
-        """A buffer holding a copy of ``array`` (host -> device on CUDA)."""
+        """A buffer holding a copy of ``array``, with its shape and dtype.
+
+        Parameters
+        ----------
+        array : array_like
+            Anything ``numpy.asarray`` takes; copied host to device on a CUDA backend.
+        device, backend
+            As for :meth:`zeros`.
+
+        Returns
+        -------
+        Buffer
+
+        Raises
+        ------
+        NoDeviceError, OutOfMemoryError, BackendUnavailableError
+            As for :meth:`zeros`.
+        """
         import numpy as np
 
         src = np.asarray(array)
         return self.empty(src.shape, src.dtype, device, backend=backend).copy_from(src)
 
     def buffer(self, nbytes: int, device: Any = None, *, backend: str | None = None) -> Buffer:
-        """An untyped buffer of ``nbytes`` bytes (dtype uint8); see Buffer.view()."""
+        """An untyped buffer of ``nbytes`` bytes (dtype uint8), to be typed by :meth:`Buffer.view`.
+
+        Parameters
+        ----------
+        nbytes : int
+            Its size in bytes (the allocation rounds up to :data:`GRANULARITY`).
+        device, backend
+            As for :meth:`zeros`.
+
+        Returns
+        -------
+        Buffer
+
+        Raises
+        ------
+        ValueError
+            If ``nbytes`` is negative.
+        NoDeviceError, OutOfMemoryError, BackendUnavailableError
+            As for :meth:`zeros`.
+        """
         if int(nbytes) < 0:
             raise ValueError(f"nbytes={nbytes} is negative")
         return self.empty((int(nbytes),), "uint8", device, backend=backend)
@@ -424,13 +494,38 @@ class BufferManager(SyncManager):
         """A ring of ``slots`` pre-shared buffers for producer -> consumers pipelines.
 
         Pickle the ring into each consumer (e.g. as a Process argument);
-        ``publish()`` first waits for ``consumers`` registrations. ``spin``:
-        how long an end that waits busy-waits on shared memory before it
-        sleeps. ``"auto"`` (default): at most 50 us, and only while its
-        previous wait was shorter than that (a fast stream costs no
-        wakeups, sparse items no spinning); True (5 ms) or seconds: that
-        long every time, lower latency for a core per process; False: never.
-        See :class:`~gpushare.Ring` and the protocol in ``gpushare._fanout``.
+        ``publish()`` first waits for ``consumers`` registrations. See
+        :class:`~gpushare.Ring` and docs/guides/ring.md.
+
+        Parameters
+        ----------
+        shape, dtype, device
+            Each slot's, as for :meth:`zeros`.
+        slots : int
+            How many buffers the producer cycles through (4).
+        consumers : int
+            How many consumers get every item (1).
+        backend : str, optional
+            As for :meth:`zeros`.
+        spin : "auto", bool or float
+            How long an end that waits busy-waits on shared memory before it
+            sleeps. ``"auto"`` (default): at most 50 us, and only while its
+            previous wait was shorter than that (a fast stream costs no wakeups,
+            sparse items no spinning); True (5 ms) or seconds: that long every
+            time, lower latency for a core per process; False: never.
+
+        Returns
+        -------
+        Ring
+            The producer's end.
+
+        Raises
+        ------
+        ValueError
+            If ``slots`` is not from 1 to 65536, ``consumers`` is negative, or ``spin``
+            is not one of the above.
+        NoDeviceError, OutOfMemoryError, BackendUnavailableError
+            As for :meth:`zeros`.
         """
         from ._fanout import create_ring
 
@@ -443,15 +538,35 @@ class BufferManager(SyncManager):
     ) -> TensorSet:
         """A versioned set of tensors for weight sync: the trainer publishes, engines take versions.
 
-        ``layout`` maps names to NumPy arrays, objects with
-        ``__cuda_array_interface__``, ``(shape, dtype)`` or ``(shape, dtype, tag)``
-        (a tag names a dtype NumPy lacks, e.g. ``"bfloat16"``, stored as an
-        unsigned int of its size; ``gpushare.torch.state_dict_layout`` makes one
-        from a state dict). Each of the ``versions`` versions is one buffer of
-        this Manager holding every tensor at a 256-byte aligned offset. Pickle
-        the set into each engine (a Process argument, a Queue, a Ray actor
-        argument): it arrives as a reader. See :class:`~gpushare.TensorSet`,
-        the protocol in ``gpushare._fanout`` and docs/guides/weight-sync.md.
+        Each version is one buffer of this Manager holding every tensor at a
+        256-byte aligned offset. Pickle the set into each engine (a Process
+        argument, a Queue, a Ray actor argument): it arrives as a reader. See
+        :class:`~gpushare.TensorSet` and docs/guides/weight-sync.md.
+
+        Parameters
+        ----------
+        layout : dict
+            Names mapped to NumPy arrays, objects with ``__cuda_array_interface__``,
+            ``(shape, dtype)`` or ``(shape, dtype, tag)`` (a tag names a dtype NumPy
+            lacks, stored as an unsigned int of its size);
+            ``gpushare.torch.state_dict_layout`` makes one from a state dict.
+        versions : int
+            How many versions exist at once (2): the trainer writes one while
+            engines read the others.
+        device, backend
+            As for :meth:`zeros`.
+
+        Returns
+        -------
+        TensorSet
+            The trainer's end.
+
+        Raises
+        ------
+        LayoutError
+            If the layout is empty or names a shape or dtype that cannot be stored.
+        NoDeviceError, OutOfMemoryError, BackendUnavailableError
+            As for :meth:`zeros`.
         """
         from ._fanout import create_tensor_set
 
@@ -466,7 +581,16 @@ class BufferManager(SyncManager):
         return self._owner_mode
 
     def stats(self) -> dict[str, Any]:
-        """Counts of buffers, bytes, leases and consumers (see docs/design.md)."""
+        """What this Manager holds now.
+
+        Returns
+        -------
+        dict
+            ``live_buffers``, ``bytes_allocated``, ``bytes_in_use``, ``bytes_pooled``,
+            ``pooled_buffers``, ``leases``, ``unclaimed_leases``, ``consumers``,
+            ``consumer_pids``, ``backends`` (bytes per backend), ``reused``,
+            ``leaked_buffers`` and ``closed`` (docs/concepts.md explains each).
+        """
         if self._owner_mode == "server":
             from ._lifetime._protocol import Stats
 
@@ -477,7 +601,13 @@ class BufferManager(SyncManager):
         return dict(owner.stats())
 
     def trim(self) -> int:
-        """Free every pooled (unused) allocation now; return the bytes freed."""
+        """Free every pooled (unused) allocation now.
+
+        Returns
+        -------
+        int
+            The bytes freed.
+        """
         if self._owner_mode == "server":
             from ._lifetime._protocol import Trim
 
@@ -486,8 +616,19 @@ class BufferManager(SyncManager):
         return 0 if owner is None else int(owner.trim())
 
     def allocator(self) -> Any:
-        """Where another process can allocate buffers owned as this Manager's are, as a
-        :class:`RemoteAllocator` (picklable: ``(address, token)``)."""
+        """Where another process can allocate buffers owned as this Manager's are.
+
+        Returns
+        -------
+        RemoteAllocator
+            A picklable handle: pass it to a process, which calls its ``empty()``
+            (and the like) to allocate; the memory belongs to this Manager's owner.
+
+        Raises
+        ------
+        ManagerClosedError
+            If the Manager is not started.
+        """
         self._check_started()
         if self._owner_mode == "server":
             return self._owning.remote(self._server_owner, self._default_backend)

@@ -484,6 +484,7 @@ class GpuProcessMixin(BaseProcess):
 
     @property
     def device(self) -> int | str | None:
+        """The ``device=`` given, normalised: a CUDA ordinal, ``"cpu"`` or None."""
         return self._device
 
     def _resolved_start_method(self) -> str:

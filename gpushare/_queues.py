@@ -1023,6 +1023,8 @@ class Queue:
     ``get()`` raises OwnerGoneError instead of waiting forever once no other process holds
     the queue."""
 
+    __module__ = "gpushare.queues"  # its public home (help, tracebacks); pickled as this module's
+
     _joinable = 0
     __class_getitem__: Any = classmethod(types.GenericAlias)
 
@@ -1063,6 +1065,9 @@ class Queue:
                 passed[fd] = DupFd(fd)
         return (self._maxsize, passed[fds.fd], passed.get(fds.hold), self._opid)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _rebuilt(self)
+
     def __setstate__(self, state: tuple[Any, ...]) -> None:
         self._maxsize, fd, hold, self._opid = state
         self._region = Region(fd.detach(), inherited_hold=-1 if hold is None else hold.detach())
@@ -1072,6 +1077,31 @@ class Queue:
     # -- putting
 
     def put(self, obj: Any, block: bool = True, timeout: float | None = None) -> None:
+        """Put ``obj`` on the queue, as ``multiprocessing.Queue.put``.
+
+        The item is pickled here, in the caller (lambdas and closures too), so an
+        unpicklable item raises here and the caller may change or release it as soon
+        as this returns. A buffer put here is leased to whichever process gets it.
+
+        Parameters
+        ----------
+        obj : object
+            The item.
+        block : bool
+            On a full bounded queue, wait for room (default) or raise ``queue.Full`` at once.
+        timeout : float, optional
+            With ``block``, seconds to wait for room; None waits for as long as it takes.
+
+        Raises
+        ------
+        queue.Full
+            If a bounded queue had no room in time.
+        ValueError
+            If the queue was closed in this process.
+        ReentrantCallError
+            If a signal handler puts on a bounded queue while its own thread is inside a
+            call on it.
+        """
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
         data = _pickle(obj)
@@ -1155,11 +1185,47 @@ class Queue:
         self._jointhread = util.Finalize(self._backlog, _finalize_join, [weakref.ref(self._backlog)], exitpriority=-5)
 
     def put_nowait(self, obj: Any) -> None:
+        """``put(obj, False)``: raise ``queue.Full`` at once on a full bounded queue.
+
+        Parameters
+        ----------
+        obj : object
+            The item.
+        """
         self.put(obj, False)
 
     # -- getting
 
     def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        """Remove and return the next item, as ``multiprocessing.Queue.get``.
+
+        Parameters
+        ----------
+        block : bool
+            On an empty queue, wait for an item (default) or raise ``queue.Empty`` at once.
+        timeout : float, optional
+            With ``block``, seconds to wait; None waits for as long as it takes.
+
+        Returns
+        -------
+        object
+            The item, unpickled here (buffers arrive mapped, with no copy).
+
+        Raises
+        ------
+        queue.Empty
+            If no item came in time.
+        OwnerGoneError
+            Instead of waiting forever: the queue is empty and no other process holds
+            it, so none can ever put on it.
+        DescriptorError
+            If a buffer in the item can no longer be claimed (its lease expired or its
+            owner shut down with it unclaimed).
+        ValueError
+            If the queue was closed in this process.
+        ReentrantCallError
+            If a signal handler gets while its own thread is inside a call on the queue.
+        """
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
         try:
@@ -1185,6 +1251,13 @@ class Queue:
         return self._get(timeout)
 
     def get_nowait(self) -> Any:
+        """``get(False)``: the next item, or ``queue.Empty`` at once.
+
+        Returns
+        -------
+        object
+            The item.
+        """
         return self.get(False)
 
     def _get(self, timeout: float | None) -> Any:
@@ -1274,15 +1347,34 @@ class Queue:
     # -- the rest of multiprocessing.Queue's interface
 
     def qsize(self) -> int:
+        """How many items are in the queue now, put by any process and not yet got.
+
+        Returns
+        -------
+        int
+        """
         return self._region.count()
 
     def empty(self) -> bool:
+        """Whether the queue holds no item now (any process may put one the next moment).
+
+        Returns
+        -------
+        bool
+        """
         return self._region.empty()
 
     def full(self) -> bool:
+        """Whether a bounded queue holds ``maxsize`` items now, counted across every process.
+
+        Returns
+        -------
+        bool
+        """
         return bool(self._maxsize) and self.qsize() >= self._maxsize
 
     def close(self) -> None:
+        """No more puts or gets in this process; what it put is still written (see :meth:`join_thread`)."""
         self._closed = True
         close = self._close
         if close:
@@ -1290,11 +1382,13 @@ class Queue:
             close()
 
     def join_thread(self) -> None:
+        """After :meth:`close`: wait until everything this process put is in the queue."""
         assert self._closed, f"Queue {self!r} not closed"
         if self._jointhread:
             self._jointhread()
 
     def cancel_join_thread(self) -> None:
+        """Let this process exit without waiting to write what it put and has not written yet."""
         self._joincancelled = True
         try:
             self._jointhread.cancel()
@@ -1316,12 +1410,21 @@ class JoinableQueue(Queue):
     """``multiprocessing.JoinableQueue``, with the same changes as :class:`Queue`; the count
     of unfinished tasks lives in the region, committed with the message that adds one."""
 
+    __module__ = "gpushare.queues"
     _joinable = 1
 
     def task_done(self) -> None:
+        """Say that an item got earlier is processed, as ``multiprocessing.JoinableQueue.task_done``.
+
+        Raises
+        ------
+        ValueError
+            If called more times than items were put.
+        """
         self._region.task_done()
 
     def join(self) -> None:
+        """Wait until every item put by any process has been got and marked :meth:`task_done`."""
         region = self._region
         while True:
             seen = region.cseq.value
@@ -1336,7 +1439,19 @@ class SimpleQueue(queues.SimpleQueue):
     """``multiprocessing.SimpleQueue`` whose ``put()`` pickles as a Process's arguments are
     (lambdas and closures by value): Pool's and ProcessPoolExecutor's tasks and results."""
 
+    __module__ = "gpushare.queues"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _rebuilt(self)
+
     def put(self, obj: Any) -> None:
+        """Put ``obj`` on the queue, pickled here as a Process's arguments are.
+
+        Parameters
+        ----------
+        obj : object
+            The item (lambdas and closures travel by value).
+        """
         # Pickled before taking the lock, as the stdlib's does; a plain value (a Pool's None
         # sentinel, put even at interpreter exit) by ForkingPickler alone, the same bytes.
         data = ForkingPickler.dumps(obj) if _settled(obj) else dumps(obj, None)
@@ -1345,3 +1460,22 @@ class SimpleQueue(queues.SimpleQueue):
         else:
             with self._wlock:  # type: ignore[attr-defined]
                 self._writer.send_bytes(data)  # type: ignore[attr-defined]
+
+
+# The queues' public home is gpushare.queues (help() and tracebacks say so), but a queue pickled
+# for a child names this module, so that the child imports nothing more to rebuild it.
+_OURS = {cls.__name__: cls for cls in (Queue, JoinableQueue, SimpleQueue)}
+
+
+def _rebuilt(q: Any) -> tuple[Any, ...]:
+    """A queue's reduce value: the class by its name here when it is one of ours, else itself."""
+    cls = type(q)
+    return (_rebuild, (cls.__name__ if _OURS.get(cls.__name__) is cls else cls, q.__getstate__()))
+
+
+def _rebuild(cls: Any, state: Any) -> Any:
+    if isinstance(cls, str):
+        cls = _OURS[cls]
+    q = cls.__new__(cls)
+    q.__setstate__(state)
+    return q

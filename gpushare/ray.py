@@ -34,7 +34,13 @@ _BOOT_ID = "/proc/sys/kernel/random/boot_id"
 
 
 def node_identity() -> str:
-    """Which machine this process runs on: ``$GPUSHARE_NODE_ID`` if set, else the boot id."""
+    """Which machine this process runs on.
+
+    Returns
+    -------
+    str
+        ``$GPUSHARE_NODE_ID`` if set, else the kernel's boot id.
+    """
     override = os.environ.get(NODE_ID_ENV)
     if override:
         return override
@@ -66,7 +72,13 @@ class NodeCopy(np.ndarray):
         self._released = False
 
     def numpy(self) -> np.ndarray:
-        """The copy as a plain ndarray (a view of it, no further copy)."""
+        """The copy as a plain ndarray.
+
+        Returns
+        -------
+        numpy.ndarray
+            A view of the copy (no further copy).
+        """
         return self.view(np.ndarray)
 
     def release(self) -> None:
@@ -75,6 +87,7 @@ class NodeCopy(np.ndarray):
 
     @property
     def released(self) -> bool:
+        """Whether :meth:`release` ran (the copy stays readable: it is this node's own memory)."""
         return self._released
 
     def __enter__(self) -> NodeCopy:
@@ -90,7 +103,19 @@ def _authkey_of(buf: Buffer) -> bytes:
 
 
 def reduce_for_ray(buf: Buffer) -> tuple[Any, tuple[Any, ...]]:
-    """The Ray form of ``buf`` (see the module docstring); takes one lease."""
+    """The Ray form of ``buf`` (see the module docstring); takes one lease.
+
+    Parameters
+    ----------
+    buf : Buffer
+        The buffer being pickled in a process connected to Ray.
+
+    Returns
+    -------
+    tuple
+        ``(callable, args)``, as ``__reduce__`` returns: on the same node it maps the
+        buffer; on another it becomes a :class:`NodeCopy`.
+    """
     import ray
 
     authkey = _authkey_of(buf)

@@ -199,6 +199,36 @@ def test_bad_device_values(manager: mp.BufferManager, device: object) -> None:
         manager.empty((2,), device=device)
 
 
+@pytest.mark.parametrize(
+    ("device", "hint"),
+    [("CPU", "'cpu'"), ("host", "'cpu'"), ("gpu", "'cuda'"), ("GPU", "'cuda'"), ("Cuda", "'cuda'"),
+     ("gpu:1", "'cuda:1'"), ("cuda: 1", "'cuda:1'"), (" cpu", "'cpu'")],
+)  # fmt: skip
+def test_only_the_documented_device_names_are_accepted(manager, device, hint) -> None:
+    # The names torch accepts, spelled as torch spells them; anything else is refused with the
+    # name it was probably meant to be, before any memory is touched.
+    with pytest.raises(ValueError, match=f"did you mean {hint}"):
+        manager.empty((2,), device=device)
+    with pytest.raises(ValueError, match="did you mean"):
+        mp.Process(target=print, device=device)
+    assert manager.stats()["live_buffers"] == 0
+
+
+def test_the_documented_device_values_parse() -> None:
+    from gpushare._backends import parse_device
+
+    class TorchLikeDevice:  # torch.device's two attributes, for runs without torch
+        def __init__(self, type: str, index: int | None) -> None:
+            self.type, self.index = type, index
+
+    assert [parse_device(d) for d in (None, 0, 3, "cuda", "cuda:2", "cpu")] == [None, 0, 3, 0, 2, "cpu"]
+    assert parse_device(TorchLikeDevice("cuda", None)) == 0
+    assert parse_device(TorchLikeDevice("cuda", 1)) == 1
+    assert parse_device(TorchLikeDevice("cpu", None)) == "cpu"
+    with pytest.raises(ValueError, match="'meta' device"):
+        parse_device(TorchLikeDevice("meta", None))
+
+
 @pytest.mark.parametrize("device", [64, "cuda:64"])
 def test_a_device_that_does_not_exist(manager, device) -> None:
     # With GPUs: "CUDA device 64 does not exist ... ordinals 0..N-1"; without: no usable GPU.

@@ -84,31 +84,46 @@ def _caller_level() -> int:
 def parse_device(device: object) -> int | str | None:
     """Normalise a user's ``device=``: ``None``, ``"cpu"`` or a CUDA ordinal.
 
-    Accepts ints, ``"cuda"``, ``"cuda:N"``, ``"cpu"`` and objects with
-    ``.type``/``.index`` (``torch.device``). Touches no driver.
+    Accepts exactly the documented values: None, an int, ``"cuda"``, ``"cuda:N"``,
+    ``"cpu"`` and objects with ``.type`` ``"cuda"`` or ``"cpu"`` and ``.index``
+    (``torch.device``), as torch spells them. Touches no driver.
     """
-    if device is None or isinstance(device, bool):
-        if isinstance(device, bool):
-            raise ValueError(f"device={device!r} is not a device; use an int, 'cuda:N' or 'cpu'")
+    if device is None:
         return None
+    if isinstance(device, bool):
+        raise ValueError(f"device={device!r} is not a device; {_DEVICES}")
     if isinstance(device, int):
         if device < 0:
             raise ValueError(f"device={device} is negative; CUDA ordinals start at 0")
         return device
     kind = getattr(device, "type", None)
     if isinstance(kind, str):  # torch.device and friends
-        index = getattr(device, "index", None)
-        return "cpu" if kind == "cpu" else int(index or 0)
-    if isinstance(device, str):
-        text = device.strip().lower()
-        if text in ("cpu", "host"):
+        if kind == "cpu":
             return "cpu"
-        if text in ("cuda", "gpu"):
+        if kind == "cuda":
+            index = getattr(device, "index", None)
+            return 0 if index is None else int(index)
+        raise ValueError(f"device={device!r} is a {kind!r} device; gpushare shares CUDA and host memory: {_DEVICES}")
+    if isinstance(device, str):
+        if device == "cpu":
+            return "cpu"
+        if device == "cuda":
             return 0
-        for prefix in ("cuda:", "gpu:"):
-            if text.startswith(prefix) and text[len(prefix) :].isdigit():
-                return int(text[len(prefix) :])
-    raise ValueError(f"device={device!r} is not a device; use an int, 'cuda', 'cuda:N', 'cpu' or None")
+        if device.startswith("cuda:") and device[5:].isdigit() and device[5:].isascii():
+            return int(device[5:])
+        text = device.strip().lower()
+        hint = ""
+        if text in ("cpu", "host"):
+            hint = " (did you mean 'cpu'?)"
+        elif text in ("cuda", "gpu"):
+            hint = " (did you mean 'cuda'?)"
+        elif text.startswith(("cuda:", "gpu:")) and text.partition(":")[2].strip().isdigit():
+            hint = f" (did you mean 'cuda:{int(text.partition(':')[2])}'?)"
+        raise ValueError(f"device={device!r} is not a device name{hint}; {_DEVICES}")
+    raise ValueError(f"device={device!r} is not a device; {_DEVICES}")
+
+
+_DEVICES = "use an int, 'cuda', 'cuda:N', a torch.device, 'cpu' or None"
 
 
 def _gpu_usable() -> bool:

@@ -44,11 +44,12 @@ class Ring(ProducerHandle):
             for item in ring:                    # until the producer closes the ring
                 use(item, item.meta)             # released when the loop moves on
 
-    Pickling a Ring gives a consumer end (:class:`RingConsumer`); each
-    unpickling registers one consumer. See :mod:`gpushare._fanout` for the
-    protocol. The producer's methods are meant for one thread; ``close()``
+    Pickling a Ring gives a consumer end; each unpickling registers one
+    consumer. docs/guides/ring.md tells how to use one. The producer's methods are meant for one thread; ``close()``
     and ``stats()`` may come from another.
     """
+
+    __module__ = "gpushare"  # its public name (help, tracebacks, pickles)
 
     _core: RingProducer
 
@@ -78,30 +79,68 @@ class Ring(ProducerHandle):
     def acquire(self, timeout: float | None = None) -> Buffer:
         """A free slot's buffer, to write and then :meth:`publish`.
 
-        Blocks while every slot is held by some consumer (or acquired and
-        not yet published), applying releases as they arrive; after
-        ``timeout`` seconds raises :class:`~gpushare.WaitTimeoutError` (a
-        ``TimeoutError``) naming who holds what. Releasing the returned buffer without publishing it returns
-        the slot. Raises :class:`RingClosedError` once the ring is closed.
-        On CUDA the producer's default stream is made to wait for the
-        consumers' reads of the slot (their release events): write the slot
-        on the default stream, or synchronize with it first.
+        Blocks while every slot is held by some consumer (or acquired and not yet
+        published), applying releases as they arrive. Releasing the returned
+        buffer without publishing it returns the slot. On CUDA the producer's
+        default stream is made to wait for the consumers' reads of the slot (their
+        release events): write the slot on the default stream, or synchronize with
+        it first.
+
+        Parameters
+        ----------
+        timeout : float, optional
+            Seconds to wait for a free slot; None (default) waits for as long as it takes.
+
+        Returns
+        -------
+        Buffer
+            The slot, of the ring's shape and dtype.
+
+        Raises
+        ------
+        WaitTimeoutError
+            If no slot came free within ``timeout`` (a ``TimeoutError``); it names who
+            holds what.
+        RingClosedError
+            If the ring is closed.
         """
         return self._core.acquire(self, timeout)
 
     def publish(self, buf: Buffer, meta: Any = None, *, timeout: float | None = None, stream: int | None = None) -> int:
-        """Hand ``buf`` (from :meth:`acquire`) to every registered consumer; return its sequence number.
+        """Hand ``buf`` (from :meth:`acquire`) to every registered consumer.
 
-        ``meta`` (small and picklable; no Buffers: it is pickled once for
-        every consumer) travels with it as ``item.meta``. Until
-        ``consumers`` consumers have registered, waits for them, for at
-        most ``timeout`` seconds (then :class:`~gpushare.WaitTimeoutError`). On CUDA the
-        slot's ready event is recorded on ``stream`` (an int handle; default
-        the legacy default stream, where torch's and CuPy's default work
-        runs) and consumers order their reads after it: work on other
-        streams that writes the slot must be ordered before that stream.
-        ``buf`` is released here: the slot belongs to the consumers until
-        they all release it.
+        Until ``consumers`` consumers have registered, waits for them. ``buf`` is
+        released here: the slot belongs to the consumers until they all release it.
+
+        Parameters
+        ----------
+        buf : Buffer
+            A slot from :meth:`acquire`, written.
+        meta : object, optional
+            Small and picklable, without Buffers (it is pickled once for every
+            consumer); it travels with the item as ``item.meta``.
+        timeout : float, optional
+            Seconds to wait for the consumers to register; None waits for as long as
+            it takes.
+        stream : int, optional
+            On CUDA, the stream (an int handle) the slot's ready event is recorded on;
+            consumers order their reads after it. Default: the legacy default stream,
+            where torch's and CuPy's default work runs. Work on other streams that
+            writes the slot must be ordered before this one.
+
+        Returns
+        -------
+        int
+            The item's sequence number.
+
+        Raises
+        ------
+        WaitTimeoutError
+            If the consumers did not register within ``timeout``.
+        RingClosedError
+            If the ring is closed.
+        ValueError
+            If ``buf`` is not a slot of this ring acquired and not yet published.
         """
         return self._core.publish(self, buf, meta, timeout, stream)
 
@@ -111,8 +150,15 @@ class Ring(ProducerHandle):
         self._core.close("the producer called close()")
 
     def stats(self) -> dict[str, Any]:
-        """Slots ``free``/``acquired``/``busy`` (held by consumers), ``consumers`` (live, with
-        ``consumer_pids``), ``registered`` (ever), ``published`` (items so far), ``closed``."""
+        """The ring's state now.
+
+        Returns
+        -------
+        dict
+            Slots ``free``, ``acquired`` and ``busy`` (held by consumers); ``consumers``
+            (live, with ``consumer_pids``); ``registered`` (ever); ``published`` (items
+            so far); ``closed``.
+        """
         return self._core.stats()
 
     def _not_a_consumer(self, *args: Any, **kwargs: Any) -> NoReturn:

@@ -338,6 +338,8 @@ class Snapshot(SlotTensors):
     (copy mode); then release it at once.
     """
 
+    __module__ = "gpushare"  # its public name (help, tracebacks, pickles)
+
     __slots__ = ("__weakref__", "_adapters", "version")
 
     def __init__(self, layout: Layout, version: int, slot: int, grant: _Grant, adapters: dict[str, Any]) -> None:
@@ -367,16 +369,29 @@ class Snapshot(SlotTensors):
         memory.order_stream(stream)
 
     def copy_to(self, targets: Mapping[str, Any], *, stream: object = None) -> None:
-        """Copy tensors of this version into ``targets`` (names -> NumPy arrays, CUDA arrays or
-        tensors with ``data_ptr()``: torch, bfloat16 included), in one batched copy.
+        """Copy tensors of this version into ``targets``, in one batched copy.
 
-        Every target must have the layout's shape and dtype (or the tag's) and be
-        contiguous and writable; names may be a subset of the layout. On a GPU the
-        copies are queued after ``stream``'s work (default: the legacy default
-        stream) and ``stream`` waits for them, with no host wait; into host memory,
-        or from a version on another GPU than the targets', they are done when this
-        returns. Raises :class:`~gpushare.LayoutError`
-        naming the first target that does not fit.
+        Into host memory, or from a version on another GPU than the targets', the
+        copies are done when this returns.
+
+        Parameters
+        ----------
+        targets : mapping
+            Names (a subset of the layout's) mapped to NumPy arrays, CUDA arrays or
+            tensors with ``data_ptr()`` (torch, bfloat16 included), each with the
+            layout's shape and dtype (or the tag's), contiguous and writable.
+        stream : int, torch or CuPy stream, optional
+            On a GPU the copies are queued after this stream's work and it waits for
+            them, with no host wait. Default: the legacy default stream.
+
+        Raises
+        ------
+        LayoutError
+            Naming the first target that does not fit.
+        OwnerGoneError
+            If the trainer that owns the memory is gone.
+        BufferReleasedError
+            If this snapshot was released.
         """
         grant: _Grant = self._held()
         plan = regions(self.layout, targets, writable=True, what="target", complete=False)

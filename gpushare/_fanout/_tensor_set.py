@@ -120,8 +120,10 @@ class TensorSet(ProducerHandle, TensorSetInfo):
     versions.
     The trainer never writes a version an engine holds; an engine holds a
     version from ``latest()``/``wait()`` until it releases the snapshot. See
-    :mod:`gpushare._fanout` for the protocol and docs/guides/weight-sync.md.
+    docs/guides/weight-sync.md.
     """
+
+    __module__ = "gpushare"  # its public name (help, tracebacks, pickles)
 
     _core: SetProducer
 
@@ -138,15 +140,32 @@ class TensorSet(ProducerHandle, TensorSetInfo):
 
     # -- publishing --------------------------------------------------------------------------
     def draft(self, timeout: float | None = None, *, stream: object = None) -> Draft:
-        """A slot no reader holds, to fill in place and :meth:`publish` (no copy by gpushare).
+        """A version no reader holds, to fill in place and :meth:`publish` (no copy by gpushare).
 
-        Waits while every slot is held or being written, for at most
-        ``timeout`` seconds (then :class:`~gpushare.WaitTimeoutError` naming
-        who holds what). On CUDA, ``stream`` (where the draft will be
-        written; default the legacy default stream) is made to wait for the
-        last reads of the slot by engines, with no host wait. The draft's
-        contents are those of an older version, or undefined: write every
-        tensor the engines will read.
+        Waits while every version is held or being written. The draft's contents
+        are those of an older version, or undefined: write every tensor the engines
+        will read.
+
+        Parameters
+        ----------
+        timeout : float, optional
+            Seconds to wait for a free version; None waits for as long as it takes.
+        stream : int, torch or CuPy stream, optional
+            On CUDA, where the draft will be written (default: the legacy default
+            stream); it is made to wait for the engines' last reads of the version,
+            with no host wait.
+
+        Returns
+        -------
+        Draft
+            A mapping of the layout's names to writable tensors in the version.
+
+        Raises
+        ------
+        WaitTimeoutError
+            If no version came free within ``timeout``; it names who holds what.
+        TensorSetClosedError
+            If the set is closed.
         """
         core = self._core
         handle = stream_handle(stream) if core.cuda else None
@@ -169,16 +188,36 @@ class TensorSet(ProducerHandle, TensorSetInfo):
     def publish(
         self, tensors: Mapping[str, Any] | Draft, *, stream: object = None, timeout: float | None = None
     ) -> int:
-        """Publish a new version; return its number (1, 2, ...).
+        """Publish a new version; engines waiting for a newer version get this one.
 
-        ``tensors`` is either a mapping with every name of the layout (NumPy
-        arrays, CUDA arrays, torch tensors: copied, in one batch, into a
-        slot no engine holds, waiting at most ``timeout`` seconds for one),
-        or a :class:`Draft` from :meth:`draft`, published as it is. On CUDA the
-        copies run after ``stream``'s work (an int handle, a torch or CuPy
-        stream; default the legacy default stream) and ``stream`` waits for
-        them; a draft's ready event is recorded on ``stream``, where it was
-        written. Engines waiting for a newer version get this one.
+        Parameters
+        ----------
+        tensors : mapping or Draft
+            A mapping with every name of the layout (NumPy arrays, CUDA arrays,
+            torch tensors), copied in one batch into a version no engine holds; or a
+            draft from :meth:`draft`, published as it is.
+        stream : int, torch or CuPy stream, optional
+            On CUDA, the copies run after this stream's work and it waits for them;
+            a draft's ready event is recorded on it, where the draft was written.
+            Default: the legacy default stream.
+        timeout : float, optional
+            Seconds to wait for a version no engine holds; None waits for as long as
+            it takes.
+
+        Returns
+        -------
+        int
+            The version's number (1, 2, ...).
+
+        Raises
+        ------
+        LayoutError
+            If a tensor is missing or does not fit the layout, or the tensors are on
+            several GPUs or another GPU than the set's.
+        WaitTimeoutError
+            If no version came free within ``timeout``.
+        TensorSetClosedError
+            If the set is closed.
         """
         core = self._core
         if isinstance(tensors, Draft):
@@ -236,11 +275,17 @@ class TensorSet(ProducerHandle, TensorSetInfo):
 
     # -- the rest ----------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        """``version`` (latest published), ``versions``, ``readers`` (with ``reader_pids``),
-        ``held`` ({version: [pids]}), ``free`` (versions no reader holds or is being written),
-        ``writing`` (publishes or drafts in progress), ``published`` (so far), ``registered``
-        (readers ever), ``latest_available`` (False while the latest is being rewritten),
-        ``closed``."""
+        """The set's state now.
+
+        Returns
+        -------
+        dict
+            ``version`` (the latest published), ``versions``, ``readers`` (with
+            ``reader_pids``), ``held`` ({version: [pids]}), ``free`` (versions no reader
+            holds or is being written), ``writing`` (publishes or drafts in progress),
+            ``published`` (so far), ``registered`` (readers ever), ``latest_available``
+            (False while the latest is being rewritten), ``closed``.
+        """
         return self._core.stats()
 
     def close(self) -> None:

@@ -69,10 +69,12 @@ class SlotTensors(Mapping[str, TensorView]):
 
     @property
     def names(self) -> tuple[str, ...]:
+        """The layout's tensor names, in layout order."""
         return self.layout.names
 
     @property
     def released(self) -> bool:
+        """Whether ``release()`` ran (or the object was dropped): its tensors can no longer be read."""
         return self._hold is None
 
     def _released_error(self) -> BufferReleasedError:

@@ -155,21 +155,43 @@ def _default_device() -> Any:
 class DataLoader(SlotLoader):
     """A PyTorch DataLoader whose workers build batches in pre-shared slots (see the module docstring).
 
-    Arguments as :class:`torch.utils.data.DataLoader` (map-style datasets;
-    ``num_workers`` >= 1; ``persistent_workers`` keeps the workers between
-    epochs; ``pin_memory`` page-locks the slots when ``device`` is the CPU,
-    so ``batch.cuda(non_blocking=True)`` is asynchronous; with a CUDA
-    ``device`` batches are already on the GPU, and CPU samples reach it
-    through page-locked staging in the workers), plus ``slots`` per worker
-    (default ``prefetch_factor + 1``: the batches a worker builds ahead, as
-    torch's ``prefetch_factor`` (default 2), and the one the trainer holds),
-    ``slot_bytes``, ``device``, ``backend``, ``manager`` and
-    ``multiprocessing_context`` (default: workers forked from
-    multiprocessing's forkserver, which imported torch once) as
-    :class:`gpushare.SlotLoader`.
-    ``timeout=0`` waits forever. Batches are tensors on ``device`` viewing
-    the slots; keep a copy (``tensor.clone()``) of what must outlive the
-    batch, or raise ``slots``.
+    Batches are tensors on ``device`` viewing the slots; keep a copy
+    (``tensor.clone()``) of what must outlive the batch, or raise ``slots``.
+
+    Parameters
+    ----------
+    dataset, batch_size, shuffle, sampler, batch_sampler, collate_fn, drop_last, worker_init_fn, generator
+        As for ``torch.utils.data.DataLoader``, with map-style datasets.
+    num_workers : int
+        Worker processes, 1 or more (2).
+    timeout : float
+        Seconds to wait for one batch; 0 (default) waits forever.
+    prefetch_factor : int, optional
+        As torch's: the batches a worker builds ahead (2).
+    persistent_workers : bool
+        Keep the workers between epochs.
+    pin_memory : bool
+        With a CPU ``device``, page-lock the slots, so
+        ``batch.cuda(non_blocking=True)`` is asynchronous. With a CUDA ``device``
+        batches are already on the GPU, and CPU samples reach it through
+        page-locked staging in the workers.
+    slots : int, optional
+        Slots per worker (default ``prefetch_factor + 1``: the batches a worker
+        builds ahead and the one the trainer holds).
+    slot_bytes, backend, manager
+        As for :class:`gpushare.SlotLoader`.
+    device : int, "cuda:N", torch.device or "cpu", optional
+        Where batches live (default: torch's current CUDA device when CUDA is
+        available, else the CPU).
+    multiprocessing_context : context or str, optional
+        As for :class:`gpushare.SlotLoader` (default: workers forked from
+        multiprocessing's forkserver, which imported torch once).
+
+    Raises
+    ------
+    ValueError, TypeError
+        If an argument is out of range, of the wrong kind, or a combination torch's
+        loader refuses too, or ``batch_size=None``; the message names it.
     """
 
     def __init__(

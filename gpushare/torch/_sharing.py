@@ -76,7 +76,13 @@ def set_release_timeout(seconds: float) -> None:
 
 
 def get_release_timeout() -> float:
-    """The bound of :func:`set_release_timeout`, in seconds."""
+    """The bound of :func:`set_release_timeout`.
+
+    Returns
+    -------
+    float
+        Seconds (5 unless set).
+    """
     return _release_timeout
 
 

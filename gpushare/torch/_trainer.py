@@ -37,6 +37,27 @@ def train_in_set(module: torch.nn.Module, tensor_set: Any, *, timeout: float | N
     ``publish_state_dict`` and two versions. Until
     :meth:`TrainerWeights.detach`, the parameters keep the version's memory
     alive, even past the set's ``close()``.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The model being trained, on the set's device.
+    tensor_set : TensorSet
+        Made with ``versions=1`` from ``state_dict_layout(module.state_dict())``.
+    timeout : float, optional
+        Bounds each wait for engines that hold the version.
+
+    Returns
+    -------
+    TrainerWeights
+        The handle whose :meth:`TrainerWeights.update` writes and publishes.
+
+    Raises
+    ------
+    LayoutError
+        If the set does not have one version with the module's layout.
+    WaitTimeoutError
+        From a later wait, naming the engines that hold the version.
     """
     return TrainerWeights(module, tensor_set, timeout)
 
@@ -98,6 +119,7 @@ class TrainerWeights:
 
     @property
     def detached(self) -> bool:
+        """Whether :meth:`detach` ran: the parameters are the module's own memory again."""
         return self._detached
 
     @contextlib.contextmanager
@@ -111,6 +133,23 @@ class TrainerWeights:
         published on torch's current stream; :attr:`version` is its number.
         An exception in the block publishes nothing (engines wait for the next
         version) and is raised again.
+
+        Parameters
+        ----------
+        timeout : float, optional
+            Bounds the wait for engines that hold the version.
+
+        Yields
+        ------
+        TrainerWeights
+            This object.
+
+        Raises
+        ------
+        WaitTimeoutError
+            If engines still held the version after ``timeout``.
+        LayoutError
+            If the weights were detached, or inside another ``update()``.
         """
         if self._detached:
             raise LayoutError("these weights were detached from their tensor set; call train_in_set() again")

@@ -70,10 +70,18 @@ def _layout_dtype(dtype: torch.dtype) -> tuple[str, str | None]:
 
 
 def state_dict_layout(state_dict: Mapping[str, Any]) -> dict[str, tuple[Any, ...]]:
-    """A tensor set layout from ``state_dict`` (``model.state_dict()``): name -> ``(shape, dtype[, tag])``.
+    """A tensor set layout from a state dict, to pass to ``manager.tensor_set(...)``.
 
-    Pass it to ``manager.tensor_set(...)``. Tensors whose dtype NumPy lacks
-    (bfloat16, float8) are stored as unsigned ints of their size with a tag.
+    Parameters
+    ----------
+    state_dict : Mapping of str to torch.Tensor
+        ``model.state_dict()``.
+
+    Returns
+    -------
+    dict of str to tuple
+        Name to ``(shape, dtype)``, or ``(shape, dtype, tag)`` for a dtype NumPy lacks
+        (bfloat16, float8): stored as an unsigned int of its size with the tag.
     """
     layout: dict[str, tuple[Any, ...]] = {}
     for name, tensor in state_dict.items():
@@ -90,9 +98,17 @@ def state_dict_layout(state_dict: Mapping[str, Any]) -> dict[str, tuple[Any, ...
 def as_tensor(view: Any) -> torch.Tensor:
     """A torch tensor viewing one tensor of a snapshot or draft (no copy), in its torch dtype.
 
-    The tensor holds the view, and so the version: on the host through the
-    NumPy array it is made from, on CUDA through DLPack (torch's current
-    stream waits for the version's ready event).
+    Parameters
+    ----------
+    view : Buffer
+        One tensor of a snapshot or draft (``snap["name"]``).
+
+    Returns
+    -------
+    torch.Tensor
+        It holds the view, and so the version: on the host through the NumPy array it
+        is made from, on CUDA through DLPack (torch's current stream waits for the
+        version's ready event).
     """
     if view.device == "cpu":
         tensor = torch.from_numpy(view.numpy())
@@ -103,7 +119,18 @@ def as_tensor(view: Any) -> torch.Tensor:
 
 
 def as_tensors(snapshot: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """Every tensor of a snapshot (or draft) as a torch tensor viewing it (see :func:`as_tensor`)."""
+    """Every tensor of a snapshot (or draft) as a torch tensor viewing it.
+
+    Parameters
+    ----------
+    snapshot : Snapshot or Draft
+        What ``reader.latest()``, ``reader.wait()`` or ``ts.draft()`` gave.
+
+    Returns
+    -------
+    dict of str to torch.Tensor
+        One tensor per name, each as :func:`as_tensor` makes it.
+    """
     return {name: as_tensor(snapshot[name]) for name in snapshot}
 
 
@@ -111,14 +138,29 @@ def draft_tensors(draft: Any) -> Mapping[str, torch.Tensor]:
     """Every tensor of a draft (``ts.draft()``) as a torch tensor to write in place: a read-only
     mapping of names to tensors, in microseconds.
 
+    Parameters
+    ----------
+    draft : Draft
+        What ``ts.draft()`` gave, not yet published or released.
+
+    Returns
+    -------
+    Mapping of str to torch.Tensor
+        Read-only; its tensors are writable.
+
+    Raises
+    ------
+    BufferReleasedError
+        If the draft was already published or released.
+
+    Notes
+    -----
     The tensors are made once per slot of the set and reused by every later
     draft of that slot (:func:`as_tensors` makes one per view, each time:
     milliseconds for a model's worth of tensors on CUDA). They view the draft's
     version but do not hold it: write them on the draft's ``stream`` while the
     draft is out, then ``ts.publish(draft)``; once it is published or
-    released, writing them writes a version engines may hold. Raises
-    :class:`~gpushare.BufferReleasedError` for a draft already published or
-    released.
+    released, writing them writes a version engines may hold.
     """
     draft._held()  # the draft is still out
     return _version_tensors(draft._set, draft.slot)
@@ -132,8 +174,35 @@ def _stream_of(device: Any) -> Any:
 def publish_state_dict(
     tensor_set: Any, state_dict: Mapping[str, torch.Tensor], *, stream: Any = None, timeout: float | None = None
 ) -> int:
-    """Publish ``state_dict`` as a new version of ``tensor_set``; return the version number.
+    """Publish ``state_dict`` as a new version of ``tensor_set``.
 
+    Parameters
+    ----------
+    tensor_set : TensorSet
+        The trainer's end, made from ``state_dict_layout(state_dict)``.
+    state_dict : Mapping of str to torch.Tensor
+        Every name of the set's layout, each tensor of the layout's shape and dtype
+        (no casting).
+    stream : torch.cuda.Stream or int, optional
+        Where the copies run (default: torch's current stream on the set's device).
+    timeout : float, optional
+        Seconds to wait for a version no engine holds; None waits for as long as it
+        takes.
+
+    Returns
+    -------
+    int
+        The version's number.
+
+    Raises
+    ------
+    LayoutError
+        If a name is missing or a tensor does not fit the layout.
+    WaitTimeoutError
+        If no version came free within ``timeout``.
+
+    Notes
+    -----
     Copies every tensor into a draft on ``stream`` (default: torch's current
     stream on the set's device): on a GPU, the contiguous tensors on the set's
     device with gpushare's copy kernel (all of them in one launch per 96), any
@@ -326,9 +395,27 @@ def load_state_dict(module: torch.nn.Module, snapshot: Mapping[str, Any], *, str
 
     The copies run on torch's current stream of the module's device (no host
     wait on a GPU): later work on that stream sees the new weights. Release
-    the snapshot afterwards (``with reader.wait(...) as snap:``). ``strict``:
-    names must match exactly (else :class:`~gpushare.LayoutError`);
-    otherwise returns the missing and unexpected names.
+    the snapshot afterwards (``with reader.wait(...) as snap:``).
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The engine's model.
+    snapshot : Snapshot
+        A version from ``reader.latest()`` or ``reader.wait()``.
+    strict : bool
+        True (default): the names must match exactly.
+
+    Returns
+    -------
+    IncompatibleKeys
+        The missing and unexpected names, as ``Module.load_state_dict`` returns them.
+
+    Raises
+    ------
+    LayoutError
+        With ``strict``, if the names differ; or if a tensor's shape or dtype does
+        not match.
     """
     reader = hasattr(snapshot, "_order_stream")  # a reader's snapshot, not a mapping of views
     # Where each tensor goes is worked out once per module and layout, as bind() does:
@@ -370,6 +457,26 @@ def bind(module: torch.nn.Module, snapshot: Any, *, strict: bool = True) -> Inco
     later (a rebind costs microseconds a tensor, not a DLPack export each).
     A tensor taken from the module does not hold the version on its own:
     once the module is rebound or dropped, the trainer may rewrite it.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The engine's model.
+    snapshot : Snapshot
+        A version from ``reader.latest()`` or ``reader.wait()``; the module holds it
+        from now on.
+    strict : bool
+        As for :func:`load_state_dict`.
+
+    Returns
+    -------
+    IncompatibleKeys
+        The missing and unexpected names.
+
+    Raises
+    ------
+    LayoutError
+        If a shape or dtype differs, or, with ``strict``, the names differ.
     """
     reader = hasattr(snapshot, "_order_stream")  # a reader's snapshot, not a mapping of views
     plan = _BindPlan.kept(module, snapshot, strict) if reader else None

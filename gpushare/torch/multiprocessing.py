@@ -7,12 +7,13 @@
 The names are torch.multiprocessing's: multiprocessing's (from gpushare, so ``Process``,
 ``Queue``, ``Pool``, ``Pipe`` ... are gpushare's), the sharing strategies, ``spawn`` and
 ``start_processes``, and torch's names outside its ``__all__`` (``reductions``, torch's own
-reducer module, and the thread-name helpers). Importing it registers :func:`gpushare.torch._sharing.reduce_tensor`
+reducer module, and the thread-name helpers). Importing it registers gpushare's tensor reducers
 with multiprocessing's pickler, as importing torch.multiprocessing registers torch's:
 CPU tensors are shared as torch shares them, and a CUDA tensor's memory is leased, freed for
 reuse once every receiver let it go, with no ``torch.cuda.ipc_collect()``. A sender's exit
 serves its receivers for up to :func:`set_release_timeout` seconds (:func:`get_release_timeout`
-reads it). What changes: docs/guides/torch-multiprocessing.md.
+reads it). Reference: docs/reference/torch-multiprocessing.md; what changes from torch:
+docs/guides/torch-multiprocessing.md.
 """
 
 from __future__ import annotations
