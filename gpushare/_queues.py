@@ -1272,10 +1272,11 @@ class Queue:
             except queue.Empty:
                 if deadline is not None and time.monotonic() >= deadline:
                     raise
-            except ReentrantCallError:
+            except ReentrantCallError:  # raised before this call took a lock: nothing to let go
                 raise _reentered_get() from None
-            finally:
+            except BaseException:  # a signal handler's exception (Ctrl-C) may leave a lock half taken
                 region.unleak()
+                raise
             # Nobody else holds it (decided first, then the ring looked at once more): nothing can come.
             if not self._put_any and self._opid != os.getpid() and not region.held_elsewhere():
                 got = region.try_get()
