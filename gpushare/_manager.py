@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
     from ._buffer import Buffer
     from ._fanout import Ring, TensorSet
+    from ._lifetime._protocol import OwnerAddress
 
 __all__ = ["GRANULARITY", "BufferManager", "RemoteAllocator", "round_size"]
 
@@ -128,7 +129,7 @@ class _Owning:
         self.options = options
         self.lock = threading.Lock()
         self.owner: Any = None  # process mode: the Owner
-        self.server: tuple[str, bytes] | None = None  # server mode: (address, token) of the server's Owner
+        self.server: OwnerAddress | None = None  # owner="server": where the server's Owner listens
         self.closed = False
 
     def local_owner(self) -> Any:
@@ -152,8 +153,7 @@ class _Owning:
             with self.lock:
                 if self.server is None:
                     self.server = fetch()
-        address, token = self.server  # type: ignore[misc]
-        return RemoteAllocator(address, token, default_backend)
+        return RemoteAllocator(self.server.address, self.server.token, default_backend)
 
     def shutdown(self, timeout: float | None) -> None:
         """Shut the buffer side down (the server itself is stopped by the caller)."""
@@ -166,7 +166,7 @@ class _Owning:
             owner.shutdown(timeout)
         elif server is not None:
             wait = self.options["shutdown_timeout"] if timeout is None else timeout
-            for message in _manager_server.shutdown_owner(server[0], server[1], wait):
+            for message in _manager_server.shutdown_owner(server, wait):
                 warnings.warn(message, LeakWarning, stacklevel=4)
 
 
@@ -330,15 +330,15 @@ class BufferManager(SyncManager):
         # owner="server" they keep the memory instead.
         util.Finalize(self, collected_or_exiting, exitpriority=12)
 
-    def _server_owner(self) -> tuple[str, bytes]:
-        """owner="server": the address and token of the server's Owner (one manager call)."""
+    def _server_owner(self) -> OwnerAddress:
+        """owner="server": where the server's Owner listens (one manager call)."""
         try:
             proxy = self._gpushare_owner()  # type: ignore[attr-defined]
         except (OSError, EOFError) as exc:
             raise ManagerClosedError(f"the Manager's server cannot be reached ({exc}); it was shut down") from exc
-        value = proxy._getvalue()
+        where = proxy._getvalue()
         del proxy  # it holds the Manager: keep none
-        return (str(value[0]), bytes(value[1]))
+        return where  # type: ignore[no-any-return]
 
     # -- allocation ------------------------------------------------------------
     def empty(self, shape: Any, dtype: Any = "float32", device: Any = None, *, backend: str | None = None) -> Buffer:

@@ -99,33 +99,36 @@ def _at_exit() -> None:
         _owner.shutdown(0.0)
 
 
-def owner_info() -> tuple[str, bytes]:
-    """In the server: the address and token of its Owner, made on the first call (the
-    manager typeid's callable; a client reads the value once)."""
+def owner_info() -> Any:
+    """In the server: where its Owner listens, an :class:`~gpushare._lifetime._protocol.OwnerAddress`;
+    the Owner is made on the first call (the manager typeid's callable; a client reads the
+    value once)."""
     global _owner
+    from ._lifetime._protocol import OwnerAddress
+
     with _owner_lock:
         if _owner is None:
             from ._lifetime._owner import Owner
 
             _owner = Owner(authkey=bytes(current_process().authkey), **_options)
-        return (_owner.address, _owner.token)
+        return OwnerAddress(_owner.address, _owner.token)
 
 
-def shutdown_owner(address: str, token: bytes, timeout: float) -> list[str]:
-    """In a client: ask the server's Owner to shut down, over a link of its own; return the
-    text of the owner's leak warnings (the caller raises them again)."""
+def shutdown_owner(where: Any, timeout: float) -> list[str]:
+    """In a client: ask the server's Owner (``where``, an ``OwnerAddress``) to shut down, over a
+    link of its own; return the text of the owner's leak warnings (the caller raises them again)."""
     from ._errors import OwnerGoneError
     from ._lifetime import close_link, link_for
     from ._lifetime._protocol import REQUEST_TIMEOUT, Shutdown
 
-    close_link(token)  # this process's buffers go first: the memory is about to be freed
+    close_link(where.token)  # this process's buffers go first: the memory is about to be freed
     try:
-        link = link_for(address, token)
+        link = link_for(where.address, where.token)
         messages = link.answer(link.ask(Shutdown, timeout), timeout + REQUEST_TIMEOUT)
     except OwnerGoneError:  # already gone (shut down by another client, or the server exited)
         messages = []
     finally:
-        close_link(token)
+        close_link(where.token)
     return list(messages)
 
 

@@ -64,6 +64,7 @@ __all__ = [
     "JournalReader",
     "JournalWriter",
     "LeaseVia",
+    "OwnerAddress",
     "Refused",
     "Shutdown",
     "Stats",
@@ -112,6 +113,14 @@ def warn(message: str, category: type[Warning]) -> None:
         warnings.warn(message, category, stacklevel=3)
     except Warning:  # a filter turned it into an error: that must not end the thread
         pass
+
+
+class OwnerAddress(NamedTuple):
+    """Where an Owner listens and the token its links present: what a Manager's server tells
+    its clients of the server's Owner (``owner="server"``), through the Manager's own call."""
+
+    address: str
+    token: bytes
 
 
 # -- consumer -> owner ---------------------------------------------------------------------------
