@@ -197,17 +197,49 @@ def _init_mutex(addr: int) -> None:
 LOCK_SLICE = 0.05
 
 
-class _RobustLock:
-    """A robust, error-checking process-shared pthread mutex in the region: the owner's death
-    unlocks it.
+class _QueueLock:
+    """What both kinds of queue lock share: :meth:`run` (a call under the lock) and :meth:`unleak`.
 
-    ``holder`` (the thread of this process that takes or holds it) is set before the mutex
-    is taken, and ``inside`` (the same thread) once the caller's ``try:`` is entered: a call
+    ``holder`` (the thread of this process that takes or holds it) is set before the lock is
+    taken, and ``inside`` (the same thread) once the caller's ``try:`` is entered: a call
     interrupted in between (by a signal handler's exception) leaves ``holder`` without
     ``inside``, and :meth:`unleak` lets go of it; a thread that finds ``inside`` its own is
     a signal handler's call re-entering (:class:`ReentrantCallError`)."""
 
-    __slots__ = ("addr", "arg", "holder", "inside")
+    __slots__ = ("holder", "inside")
+    holder: int
+    inside: int
+
+    def acquire(self, deadline: float | None = None) -> bool:
+        raise NotImplementedError
+
+    def release(self) -> None:
+        raise NotImplementedError
+
+    def run(self, deadline: float | None, busy: Any, work: Any, *args: Any) -> Any:
+        """``work(*args)`` under the lock, or ``busy`` when the lock was not had by ``deadline``
+        (``time.monotonic()``; None: wait for it)."""
+        if not self.acquire(deadline):
+            return busy
+        try:
+            self.inside = self.holder
+            return work(*args)
+        finally:
+            self.release()
+
+    def unleak(self) -> None:
+        """After an exception in a call of this thread: the lock it was taking when interrupted
+        is let go."""
+        me = _get_ident()
+        if self.holder == me and self.inside != me:
+            self.release()
+
+
+class _RobustLock(_QueueLock):
+    """A robust, error-checking process-shared pthread mutex in the region: the owner's death
+    unlocks it. An unlock of a mutex this thread does not hold answers EPERM, harmless."""
+
+    __slots__ = ("addr", "arg")
 
     def __init__(self, addr: int) -> None:
         self.addr = addr
@@ -256,19 +288,12 @@ class _RobustLock:
         self.inside = 0
         _quick.pthread_mutex_unlock(self.arg)
 
-    def unleak(self) -> None:
-        """After an exception in a call of this thread: the lock it was taking when interrupted
-        is let go (an unlock of a mutex it does not hold answers EPERM, harmless)."""
-        me = _get_ident()
-        if self.holder == me and self.inside != me:
-            self.release()
 
-
-class _RecordLock:
+class _RecordLock(_QueueLock):
     """The fallback: a POSIX record lock on one byte of the file (the kernel drops it when its
     process dies), behind a thread lock (record locks belong to a process, not a thread)."""
 
-    __slots__ = ("fd", "holder", "inside", "offset", "tlock")
+    __slots__ = ("fd", "offset", "tlock")
 
     def __init__(self, fd: int, offset: int) -> None:
         self.fd = fd
@@ -311,14 +336,15 @@ class _RecordLock:
         finally:
             self.tlock.release()
 
-    def unleak(self) -> None:
-        me = _get_ident()
-        if self.holder == me and self.inside != me:
-            self.release()
-
     def after_fork(self) -> None:
         self.tlock = threading.Lock()  # another thread may have held it at fork
         self.holder = 0
+
+
+def _add_waiters(word: Any, delta: int | None) -> None:
+    """Under its lock: add ``delta`` to a waiter count, or clear it (None). A count cleared as
+    stale stays at 0."""
+    word.value = 0 if delta is None else max(0, word.value + delta)
 
 
 # -- the region ---------------------------------------------------------------------------------------
@@ -538,19 +564,15 @@ class Region:
         """Count a message bound for this process's backlog (0), or FULL, or BUSY; ``task``:
         count a task too. Counted here, before it is written, so that ``maxsize``, ``qsize()``
         and ``join()`` see it in every process."""
-        lock = self.plock
-        if not lock.acquire(deadline):
-            return BUSY
-        try:
-            lock.inside = lock.holder
-            _, tail, nput, tasks, _ = self._current(self.pseq, P_AT)
-            if self._full(nput, maxsize):
-                return FULL
-            _SEQ.pack_into(self.mm, BACKLOGGED, self.backlogged() + 1)
-            if task:
-                self._commit(self.pseq, P_AT, tail, nput, tasks + task)
-        finally:
-            lock.release()
+        return self.plock.run(deadline, BUSY, self._reserve_locked, task, maxsize)  # type: ignore[no-any-return]
+
+    def _reserve_locked(self, task: int, maxsize: int) -> int:
+        _, tail, nput, tasks, _ = self._current(self.pseq, P_AT)
+        if self._full(nput, maxsize):
+            return FULL
+        _SEQ.pack_into(self.mm, BACKLOGGED, self.backlogged() + 1)
+        if task:
+            self._commit(self.pseq, P_AT, tail, nput, tasks + task)
         return 0
 
     def put_reserved(self, payload: bytes, kind: int) -> int:
@@ -559,37 +581,35 @@ class Region:
 
     def _put_locked(self, payload: bytes, kind: int, task: int, maxsize: int, reserved: int,
                     deadline: float | None) -> int:  # fmt: skip
-        lock, mm, pseq = self.plock, self.mm, self.pseq
-        if not lock.acquire(deadline):
-            return BUSY
-        try:
-            lock.inside = lock.holder
-            seq, tail, nput, tasks, _ = self._current(pseq, P_AT)
-            if self._full(nput, maxsize):
-                return FULL
-            cap = self.cap
-            size = len(payload)
-            need = (size + 15) & ~7  # the record's 8 bytes and the payload, 8-aligned
-            at = tail % cap
-            skip = cap - at if cap - at < need else 0
-            if (tail - self.head_seen) + skip + need > cap:
-                self.head_seen = self.consumers()[0]
-                if (tail - self.head_seen) + skip + need > cap:
-                    return NO_ROOM
-            if skip:
-                mm[HEADER + at : HEADER + at + 8] = WRAP_RECORD
-                at = 0
-            start = HEADER + at
-            mm[start : start + 8 + size] = RECORD.pack(size, kind) + payload
-            if reserved:
-                _SEQ.pack_into(mm, BACKLOGGED, self.backlogged() - reserved)
-            seq = (seq + 1) & 0xFFFFFFFF
-            COPY.pack_into(mm, P_AT[seq & 1], seq, tail + skip + need, nput + 1, tasks + task, seq)
-            pseq.value = seq  # the commit
-        finally:
-            lock.release()
-        if self.get_waiters.value:  # read after the unlock, which orders it after the commit
+        done = self.plock.run(deadline, BUSY, self._write_locked, payload, kind, task, maxsize, reserved)
+        if done == 0 and self.get_waiters.value:  # read after the unlock, which orders it after the commit
             self.wake(self.pseq_addr, 1, self.get_waiters, self.clock)
+        return done  # type: ignore[no-any-return]
+
+    def _write_locked(self, payload: bytes, kind: int, task: int, maxsize: int, reserved: int) -> int:
+        mm, pseq = self.mm, self.pseq
+        seq, tail, nput, tasks, _ = self._current(pseq, P_AT)
+        if self._full(nput, maxsize):
+            return FULL
+        cap = self.cap
+        size = len(payload)
+        need = (size + 15) & ~7  # the record's 8 bytes and the payload, 8-aligned
+        at = tail % cap
+        skip = cap - at if cap - at < need else 0
+        if (tail - self.head_seen) + skip + need > cap:
+            self.head_seen = self.consumers()[0]
+            if (tail - self.head_seen) + skip + need > cap:
+                return NO_ROOM
+        if skip:
+            mm[HEADER + at : HEADER + at + 8] = WRAP_RECORD
+            at = 0
+        start = HEADER + at
+        mm[start : start + 8 + size] = RECORD.pack(size, kind) + payload
+        if reserved:
+            _SEQ.pack_into(mm, BACKLOGGED, self.backlogged() - reserved)
+        seq = (seq + 1) & 0xFFFFFFFF
+        COPY.pack_into(mm, P_AT[seq & 1], seq, tail + skip + need, nput + 1, tasks + task, seq)
+        pseq.value = seq  # the commit
         return 0
 
     def spill(self, payload: bytes, deadline: float | None = None) -> bytes | None:
@@ -598,18 +618,9 @@ class Region:
         taken under the producers' lock; the write is not, so a producer stopped inside a
         large write holds up nobody. A producer killed before its record is committed leaves
         those pages to the region's end."""
-        lock = self.plock
-        if not lock.acquire(deadline):
+        at = self.plock.run(deadline, None, self._place_spill_locked, len(payload))
+        if at is None:
             return None
-        try:
-            lock.inside = lock.holder
-            if _SEQ.unpack_from(self.mm, SPILL_END)[0]:
-                self._reclaim_locked()
-            at = _SEQ.unpack_from(self.mm, SPILL_END)[0] or self.spill_base
-            _SEQ.pack_into(self.mm, SPILL_END, at + -(-len(payload) // PAGE) * PAGE)
-            self.lock_spill(at, len(payload))  # before the lock goes: a reclaim would see it
-        finally:
-            lock.release()
         view = memoryview(payload)
         done = 0
         try:
@@ -619,6 +630,15 @@ class Region:
             self.drop_spill(SPILL.pack(at, len(payload)))
             raise
         return SPILL.pack(at, len(payload))
+
+    def _place_spill_locked(self, length: int) -> int:
+        """Where a spilled payload of ``length`` bytes goes: the spill area's end, moved past it."""
+        if _SEQ.unpack_from(self.mm, SPILL_END)[0]:
+            self._reclaim_locked()
+        at = _SEQ.unpack_from(self.mm, SPILL_END)[0] or self.spill_base
+        _SEQ.pack_into(self.mm, SPILL_END, at + -(-length // PAGE) * PAGE)
+        self.lock_spill(at, length)  # before the lock goes: a reclaim would see it
+        return int(at)
 
     # A spilled payload's pages are locked (an OFD read lock through this process's hold) from its
     # place's taking until its record is committed, and again from its record's taking until it
@@ -702,14 +722,7 @@ class Region:
     def reclaim(self, deadline: float | None = _NOW) -> bool:
         """Give memory back if the queue is empty (True; False when it was not, or the
         producers' lock was busy): see :meth:`_reclaim_locked`."""
-        lock = self.plock
-        if not lock.acquire(deadline):
-            return False
-        try:
-            lock.inside = lock.holder
-            return self._reclaim_locked()
-        finally:
-            lock.release()
+        return bool(self.plock.run(deadline, False, self._reclaim_locked))
 
     def _give_back_ring(self, tail: int) -> None:
         """Punch the ring's pages, all dead (the queue is empty), but the one the next record
@@ -759,52 +772,47 @@ class Region:
             self.tail_seen = self.producers()[0]
             if self.consumers()[0] >= self.tail_seen:
                 return None
-        lock, mm, cseq = self.clock, self.mm, self.cseq
-        if not lock.acquire(deadline):
-            return None
-        try:
-            lock.inside = lock.holder
-            seq, head, nget, done, _ = self._current(cseq, C_AT)
-            if head >= self.tail_seen:
-                self.tail_seen = self.producers()[0]
-                if head >= self.tail_seen:
-                    return None
-            cap = self.cap
-            at = head % cap
-            length, kind = RECORD.unpack_from(mm, HEADER + at)
-            if kind == KIND_WRAP:
-                head += cap - at
-                at = 0
-                length, kind = RECORD.unpack_from(mm, HEADER)
-            start = HEADER + at + 8
-            payload = mm[start : start + length]
-            if kind == KIND_SPILL:  # locked before it is taken: a reclaim would see it
-                self.lock_spill(*SPILL.unpack(payload))
-            head += (length + 15) & ~7
-            if head >= self.tail_seen:
-                kind |= DRAINED
-            seq = (seq + 1) & 0xFFFFFFFF
-            COPY.pack_into(mm, C_AT[seq & 1], seq, head, nget + 1, done, seq)
-            cseq.value = seq  # the commit
-        finally:
-            lock.release()
-        if self.put_waiters.value:
+        got = self.clock.run(deadline, None, self._take_locked)
+        if got is not None and self.put_waiters.value:
             self.wake(self.cseq_addr, WAKE_ALL, self.put_waiters, self.plock)
+        return got  # type: ignore[no-any-return]
+
+    def _take_locked(self) -> tuple[int, bytes] | None:
+        mm, cseq = self.mm, self.cseq
+        seq, head, nget, done, _ = self._current(cseq, C_AT)
+        if head >= self.tail_seen:
+            self.tail_seen = self.producers()[0]
+            if head >= self.tail_seen:
+                return None
+        cap = self.cap
+        at = head % cap
+        length, kind = RECORD.unpack_from(mm, HEADER + at)
+        if kind == KIND_WRAP:
+            head += cap - at
+            at = 0
+            length, kind = RECORD.unpack_from(mm, HEADER)
+        start = HEADER + at + 8
+        payload = mm[start : start + length]
+        if kind == KIND_SPILL:  # locked before it is taken: a reclaim would see it
+            self.lock_spill(*SPILL.unpack(payload))
+        head += (length + 15) & ~7
+        if head >= self.tail_seen:
+            kind |= DRAINED
+        seq = (seq + 1) & 0xFFFFFFFF
+        COPY.pack_into(mm, C_AT[seq & 1], seq, head, nget + 1, done, seq)
+        cseq.value = seq  # the commit
         return kind, payload
 
     def task_done(self) -> None:
-        lock = self.clock
-        lock.acquire()
-        try:
-            lock.inside = lock.holder
-            _, head, nget, done, _ = self._current(self.cseq, C_AT)
-            if done >= self.producers()[2]:
-                raise ValueError("task_done() called too many times")
-            self._commit(self.cseq, C_AT, head, nget, done + 1)
-        finally:
-            lock.release()
+        self.clock.run(None, None, self._task_done_locked)
         if self.join_waiters.value:
             self.wake(self.cseq_addr, WAKE_ALL, self.join_waiters, self.clock)
+
+    def _task_done_locked(self) -> None:
+        _, head, nget, done, _ = self._current(self.cseq, C_AT)
+        if done >= self.producers()[2]:
+            raise ValueError("task_done() called too many times")
+        self._commit(self.cseq, C_AT, head, nget, done + 1)
 
     def unfinished(self) -> int:
         return int(self.producers()[2] - self.consumers()[2])
@@ -824,22 +832,12 @@ class Region:
         not asleep yet sees the commit and will not sleep: the count is stale (a waiter killed
         while asleep) and is cleared, under the ``lock`` it is kept under if that is free at once,
         so that later commits make no system call for it."""
-        if _futex_wake(addr, count) == 0 and lock.acquire(_NOW):
-            try:
-                lock.inside = lock.holder
-                waiters.value = 0
-            finally:
-                lock.release()
+        if _futex_wake(addr, count) == 0:
+            lock.run(_NOW, None, _add_waiters, waiters, None)
 
     def count_waiter(self, side: str, word: Any, delta: int) -> None:
         """Add ``delta`` to a waiter count, under the lock of the side that owns it."""
-        lock = self.clock if side == "c" else self.plock
-        lock.acquire()
-        try:
-            lock.inside = lock.holder
-            word.value = max(0, word.value + delta)  # a count cleared as stale stays at 0
-        finally:
-            lock.release()
+        (self.clock if side == "c" else self.plock).run(None, None, _add_waiters, word, delta)
 
     def unleak(self) -> None:
         """After an exception: a lock this thread was taking when interrupted is let go."""
