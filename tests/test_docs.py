@@ -179,3 +179,37 @@ def test_the_reference_covers_every_public_name(module: str) -> None:
     own = [n for n in mod.__all__ if module != "gpushare" or n not in multiprocessing.__all__]
     missing = sorted(f"{module}.{n}" for n in own if f"{module}.{n}" not in _documented())
     assert not missing, f"add these to a page under docs/reference/: {missing}"
+
+
+#: What a work log says and a user page must not: a launch's time of day, and the phrases of a
+#: lab notebook. A kernel launch ("one launch per 96") is the software's own word and stays.
+_LAB_NOTES = re.compile(
+    r"\(\d{1,2}:\d{2}\)|\b\d{1,2}:\d{2} run\b|\bat \d{1,2}:\d{2}\b|since then|earlier run|"
+    r"\b(?:two|three|four|five|alternating|both|every|several|\d+) launch(?:es)?\b|launch's|this session",
+    re.IGNORECASE,
+)
+
+
+def test_user_pages_hold_no_lab_notes() -> None:
+    # The pages tell what the software does and what was measured (device, date, command); the
+    # record of runs lives in the development folder. design.md, the contributors' page, aside.
+    root = Path(ROOT)
+    pages = [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
+    found = []
+    for page in pages:
+        if page.name == "design.md":
+            continue
+        for number, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
+            match = _LAB_NOTES.search(line)
+            if match:
+                found.append(f"{page.relative_to(root)}:{number}: {match.group(0)!r} in {line.strip()!r}")
+    assert not found, "lab notes on user pages:\n" + "\n".join(found)
+
+
+def test_the_lab_note_check_catches_what_it_names() -> None:
+    for text in ("in the 05:51 run", "In an earlier run (05:37)", "two launches on one H100", "since then",
+                 "every launch's figures"):  # fmt: skip
+        assert _LAB_NOTES.search(text), text
+    for text in ("one launch per 96 tensors", "2026-11-29 05:51, `python -m bench`", "a kernel launch"):
+        assert not _LAB_NOTES.search(text), text
+
