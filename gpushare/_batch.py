@@ -17,12 +17,15 @@ import os
 import pickle
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ._buffer import Buffer, HeldView, byte_offset, check_dtype, check_shape, memory_of, window
 from ._errors import LoaderError
+
+if TYPE_CHECKING:
+    from ._types import DType, Shape
 
 __all__ = [
     "ALIGN",
@@ -223,7 +226,7 @@ class SlotWriter:
         self.used = 0
         self._regions: dict[int, tuple[Buffer, int, str | None]] = {}
 
-    def empty(self, shape: Any, dtype: Any = "float32", *, tag: str | None = None) -> Buffer:
+    def empty(self, shape: Shape, dtype: DType = "float32", *, tag: str | None = None) -> Buffer:
         """An uninitialised array in the slot, at its next aligned free place.
 
         Parameters
@@ -265,7 +268,7 @@ class SlotWriter:
         self._regions[id(buf)] = (buf, offset, tag)
         return buf
 
-    def staged_empty(self, shape: Any, dtype: Any = "float32", *, tag: str | None = None) -> tuple[Any, Buffer]:
+    def staged_empty(self, shape: Shape, dtype: DType = "float32", *, tag: str | None = None) -> tuple[Any, Buffer]:
         """An array in the slot, written on the CPU.
 
         On CUDA ``host`` is plain memory sent through staging when the batch is
@@ -299,7 +302,7 @@ class SlotWriter:
             self._pending.append((self._regions[id(buf)][1], host))
         return host, buf
 
-    def stacked(self, shape: Any, dtype: Any, parts: list[tuple[int, int]], *, tag: str | None = None) -> Buffer:
+    def stacked(self, shape: Shape, dtype: DType, parts: list[tuple[int, int]], *, tag: str | None = None) -> Buffer:
         """An array in the slot whose bytes are ``parts``, in order: the samples of a stack.
 
         Each byte is copied once on the host: into a host slot, or into page-locked

@@ -38,6 +38,8 @@ from ._memory import (
 if TYPE_CHECKING:
     import numpy as np
 
+    from ._types import DType, Shape
+
 __all__ = [
     "Buffer",
     "Memory",
@@ -314,7 +316,7 @@ class Buffer:
         self.release()
 
     # -- views and copies -----------------------------------------------------
-    def view(self, dtype: object = None, shape: object = None) -> Buffer:
+    def view(self, dtype: DType | None = None, shape: Shape | None = None) -> Buffer:
         """A new Buffer over the same memory with another dtype and/or shape.
 
         The view keeps the memory alive on its own: releasing this buffer does not
@@ -546,7 +548,7 @@ class HeldView(Buffer):
         """A view of this kind over ``plain``'s window, holding what this one holds."""
         raise NotImplementedError
 
-    def view(self, dtype: object = None, shape: object = None) -> Buffer:
+    def view(self, dtype: DType | None = None, shape: Shape | None = None) -> Buffer:
         plain = Buffer.view(self, dtype, shape)
         tag = self.tag if plain.dtype == self.dtype else None  # a view as another dtype is no longer the tag's
         out = self._like(plain, tag)

@@ -19,7 +19,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -38,6 +38,9 @@ from ._loader_workers import (
     start_forkserver,
     worker_context,
 )
+
+if TYPE_CHECKING:
+    from ._types import Device
 
 __all__ = ["SlotLoader", "current_dataset"]
 
@@ -267,7 +270,7 @@ class SlotLoader:
         slots: int = 4,
         slot_bytes: int | None = None,
         prefetch: int | None = None,
-        device: Any = None,
+        device: Device = None,
         backend: str | None = None,
         collate: Callable[[list[Any], SlotWriter], Any] | None = None,
         worker_init: Callable[[int], Any] | None = None,

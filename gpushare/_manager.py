@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from ._buffer import Buffer
     from ._fanout import Ring, TensorSet
     from ._lifetime._protocol import OwnerAddress
+    from ._types import Device, DType, Shape
 
 __all__ = ["GRANULARITY", "BufferManager", "RemoteAllocator", "round_size"]
 
@@ -88,7 +89,7 @@ class RemoteAllocator:
             self.link().recorder.nudge()
 
     def empty(
-        self, shape: Any, dtype: Any = "float32", device: Any = None, *, backend: str | None = None,
+        self, shape: Shape, dtype: DType = "float32", device: Device = None, *, backend: str | None = None,
         transient: bool = False,
     ) -> Buffer:  # fmt: skip
         """An uninitialised buffer, allocated by the Owner for this process. ``transient``:
@@ -341,7 +342,9 @@ class BufferManager(SyncManager):
         return where  # type: ignore[no-any-return]
 
     # -- allocation ------------------------------------------------------------
-    def empty(self, shape: Any, dtype: Any = "float32", device: Any = None, *, backend: str | None = None) -> Buffer:
+    def empty(
+        self, shape: Shape, dtype: DType = "float32", device: Device = None, *, backend: str | None = None
+    ) -> Buffer:
         """An uninitialised buffer: its contents are whatever the memory held.
 
         Parameters
@@ -373,7 +376,9 @@ class BufferManager(SyncManager):
         memory = self._owning.local_owner().allocate(chosen, nbytes, ordinal, label)
         return Buffer(memory, 0, dims, dt)
 
-    def zeros(self, shape: Any, dtype: Any = "float32", device: Any = None, *, backend: str | None = None) -> Buffer:
+    def zeros(
+        self, shape: Shape, dtype: DType = "float32", device: Device = None, *, backend: str | None = None
+    ) -> Buffer:
         """A buffer of zero bytes (0 in every numeric dtype), as ``numpy.zeros``.
 
         Parameters
@@ -407,7 +412,7 @@ class BufferManager(SyncManager):
         return buf
 
     def full(
-        self, shape: Any, value: Any, dtype: Any = "float32", device: Any = None, *, backend: str | None = None
+        self, shape: Shape, value: Any, dtype: DType = "float32", device: Device = None, *, backend: str | None = None
     ) -> Buffer:
         """A buffer with every element ``value``, as ``numpy.full``.
 
@@ -431,7 +436,7 @@ class BufferManager(SyncManager):
         """
         return self.empty(shape, dtype, device, backend=backend).fill(value)
 
-    def from_numpy(self, array: Any, device: Any = None, *, backend: str | None = None) -> Buffer:
+    def from_numpy(self, array: Any, device: Device = None, *, backend: str | None = None) -> Buffer:
         """A buffer holding a copy of ``array``, with its shape and dtype.
 
         Parameters
@@ -455,7 +460,7 @@ class BufferManager(SyncManager):
         src = np.asarray(array)
         return self.empty(src.shape, src.dtype, device, backend=backend).copy_from(src)
 
-    def buffer(self, nbytes: int, device: Any = None, *, backend: str | None = None) -> Buffer:
+    def buffer(self, nbytes: int, device: Device = None, *, backend: str | None = None) -> Buffer:
         """An untyped buffer of ``nbytes`` bytes (dtype uint8), to be typed by :meth:`Buffer.view`.
 
         Parameters
@@ -482,9 +487,9 @@ class BufferManager(SyncManager):
 
     def ring(
         self,
-        shape: Any,
-        dtype: Any = "float32",
-        device: Any = None,
+        shape: Shape,
+        dtype: DType = "float32",
+        device: Device = None,
         *,
         slots: int = 4,
         consumers: int = 1,
@@ -534,7 +539,7 @@ class BufferManager(SyncManager):
         return ring
 
     def tensor_set(
-        self, layout: Any, versions: int = 2, device: Any = None, *, backend: str | None = None
+        self, layout: Any, versions: int = 2, device: Device = None, *, backend: str | None = None
     ) -> TensorSet:
         """A versioned set of tensors for weight sync: the trainer publishes, engines take versions.
 

@@ -34,6 +34,8 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
+    from ._types import Device
+
 __all__ = [
     "MAIN_GUARD_EXIT",
     "GpuProcessMixin",
@@ -475,7 +477,7 @@ class GpuProcessMixin(BaseProcess):
         kwargs: dict[str, Any] | None = None,
         *,
         daemon: bool | None = None,
-        device: Any = None,
+        device: Device = None,
     ) -> None:
         super().__init__(group, target, name, args, kwargs or {}, daemon=daemon)
         from ._backends import parse_device

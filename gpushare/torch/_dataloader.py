@@ -5,7 +5,7 @@ it in use). torch is imported with this module."""
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -14,6 +14,9 @@ from .. import _loader
 from .._batch import SlotArray, SlotWriter
 from .._loader import SlotLoader
 from ._weights import _layout_dtype
+
+if TYPE_CHECKING:
+    from .._types import Device
 
 __all__ = ["DataLoader"]
 
@@ -213,7 +216,7 @@ class DataLoader(SlotLoader):
         pin_memory: bool = False,
         slots: int | None = None,
         slot_bytes: int | None = None,
-        device: Any = None,
+        device: Device = None,
         backend: str | None = None,
         manager: Any = None,
         multiprocessing_context: Any = None,
