@@ -261,8 +261,9 @@ def get_start_method(allow_none: bool = False) -> Any:
     return _default_context.get_start_method(allow_none)
 
 
-# Their public names in help() and tracebacks. Contexts are never pickled. SpawnProcess and
-# its kin keep their module, which a spawned child imports to rebuild one.
+# Their public names in help() and tracebacks; gpushare.context holds the contexts, so one pickled
+# by reference is found there. SpawnProcess and its kin keep their module, which a spawned child
+# imports to rebuild one (gpushare.context would cost it two modules more).
 for _cls in (SpawnContext, ForkServerContext, ForkContext, DefaultContext):
     _cls.__module__ = "gpushare.context"
 for _function in (*vars(_ManagerMixin).values(), DefaultContext.get_context, DefaultContext.get_all_start_methods,
