@@ -6,7 +6,7 @@
 - In the trainer, :func:`build` rebuilds the structure, a :class:`SlotArray` per array holding the item.
 - CPU samples for a CUDA slot go through page-locked :class:`Staging` on the legacy default stream.
 - Exceptions travel as :func:`exception_payload`, raised again by :func:`rebuild_exception`.
-The layout's form and why staging: docs/design.md, "The loader".
+The layout's form and why staging: dev/design-notes.md, "The loader".
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@
   this process already maps arrives in one C call where ``_handoff.c`` builds
   (``gpushare._native``): each arrival the Python path makes leaves it an entry.
 - Other modules reach a Buffer's memory through :func:`window` and :func:`memory_of`.
-Why: docs/design.md, "Descriptors" and "A handoff, step by step".
+Why: dev/design-notes.md, "Descriptors"; the steps: dev/design.md, "A handoff, step by step".
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 - Each subclass says who broke what: the driver, you (closed), the peer (gone), bad bytes,
   the start method, a wait that ran out. Each class's docstring says when it is raised.
 - Messages say what was wrong, what is valid, and what to do.
-- This module imports nothing of gpushare. The table: docs/design.md, "Errors".
+- This module imports nothing of gpushare. The table: dev/design-notes.md, "Errors".
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@
   ring and publishes it with its layout (:mod:`gpushare._batch`); the trainer reads in order.
 - A worker's exception is raised at its batch; a dead worker is OwnerGoneError.
 - Stop: workers first, then their rings; memory goes with the loader and its last batch.
-Data flow, errors and stopping: docs/design.md, "The loader".
+Data flow, errors and stopping: dev/design-notes.md, "The loader".
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@
 - Messages: a :class:`Task` each way in, an :class:`Answer` per batch (a slot's ``meta``, or on
   the control queue before the worker has a ring), :class:`RingReady` and :class:`StartFailed`
   on the control queue.
-Why: docs/design.md, "The loader".
+Why: dev/design-notes.md, "The loader".
 """
 
 from __future__ import annotations
@@ -272,7 +272,7 @@ def worker_context(choice: Any, gpu: bool = False) -> tuple[Any, bool]:
     spawn once the forkserver failed to start in this process (:func:`start_forkserver`).
     While no forkserver runs, GPU workers (``gpu``) are spawned, and the forkserver starts
     once their first batch is in. A name (``"spawn"``, ``"forkserver"``) or a context
-    (gpushare's or multiprocessing's) picks the start method itself. Why: docs/design.md,
+    (gpushare's or multiprocessing's) picks the start method itself. Why: dev/design-notes.md,
     "The loader".
     """
     import multiprocessing

@@ -6,7 +6,7 @@
   (:class:`RemoteAllocator`, :mod:`gpushare._manager_server`).
 - Sizes round up to :data:`GRANULARITY` (2 MiB); the buffer machinery loads with the first buffer.
 - Shutdown: :meth:`BufferManager.shutdown`, ``with``, garbage collection or exit (a finalizer).
-Modes and lifetimes: docs/design.md, "Who owns the memory".
+Modes and lifetimes: dev/design-notes.md, "Who owns the memory".
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@
   clients by ``Alloc`` requests; each client Buffer is a lease, and the server keeps no reference.
 - Retire: a server-owned Manager collected, or left open at its process's exit, asks its server
   to exit once no lease is held (:func:`retire`, called by :func:`ask_to_retire`).
-Protocol: docs/design.md, "Who owns the memory".
+Protocol: dev/design-notes.md, "Who owns the memory".
 """
 
 from __future__ import annotations

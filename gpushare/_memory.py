@@ -9,7 +9,7 @@
   that arrived from another process, the producer's ready event.
 * :class:`Descriptor` -- the small immutable value a shared buffer travels as: it names
   memory, never carries it. :meth:`Descriptor.from_bytes` checks every field and raises
-  DescriptorError (fields: docs/design.md, "Descriptors").
+  DescriptorError (fields: dev/design-notes.md, "Descriptors").
 * :class:`Template` -- a descriptor's bytes with the lease id and the ready event left
   open, kept per buffer view in ``Memory.templates``: each pickling patches only those two.
 

@@ -6,7 +6,7 @@
   registered with ForkingPickler when a gpushare context first makes an executor's result queue.
 - A worker that exits with ``MAIN_GUARD_EXIT`` stops the Pool starting workers: every task,
   given before or after, fails with MainGuardError (done in ``Pool.Process``).
-Why: docs/design.md, "Pool and executors".
+Why: dev/design-notes.md, "Pool and executors".
 """
 
 from __future__ import annotations

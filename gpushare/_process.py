@@ -7,7 +7,7 @@
 - ``start()`` refuses fork after CUDA, checks ``device=`` in the parent, and in a child still
   importing the main module raises MainGuardError (see "a script without the main guard").
 - At exit the worker releases every buffer it holds and closes its connections.
-Why: docs/design.md, "Processes and contexts".
+Why: dev/design-notes.md, "Processes and contexts".
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@
   blocking ``get()`` raises OwnerGoneError once the queue is empty and no other process
   holds it, and MainGuardError when a child of this process stopped at ``MAIN_GUARD_EXIT``.
 - SimpleQueue stays multiprocessing's pipe: Pool and ProcessPoolExecutor read its connection.
-Why, and who holds a queue: docs/design.md, "Queues".
+Why, and who holds a queue: dev/design-notes.md, "Queues".
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ HIGHEST = pickle.HIGHEST_PROTOCOL
 _dumps, _loads = pickle.dumps, pickle.loads  # ForkingPickler.loads is pickle.loads
 _BUFFER_HEAD = QUEUE_HEAD
 
-# -- the region: records, two locks, futex wake-ups (the protocol: docs/design.md, "Queues") ----
+# -- the region: records, two locks, futex wake-ups (the protocol: dev/design-notes.md, "Queues") ----
 
 RING_BYTES = 1 << 20  # the ring's bytes per queue; pages are touched only as messages pass
 MAGIC = b"GSQ5"
@@ -369,7 +369,7 @@ def _close_quietly(fd: int) -> None:
         pass
 
 
-# -- who holds a queue: open file description locks (the protocol: docs/design.md, "Queues") ------
+# -- who holds a queue: open file description locks (the protocol: dev/design-notes.md, "Queues") ------
 
 HOLD_BYTE = 2  # each user holds a read lock on this byte of the region's file (0 and 1: the fallback's locks)
 _FLOCK = struct.Struct("hh4xqqi4x")  # struct flock on Linux: type, whence, start, len, pid

@@ -6,7 +6,7 @@ Each seam is one registration function here and one reader:
   filled by the facade (:mod:`gpushare`) at import, in one block.
 - ``mark_cuda_initialized`` / :func:`cuda_initialized`: set by the CUDA layer when the driver loads.
 - ``at_worker_exit`` / :func:`worker_exit`: hooks the lifetime service's first link registers.
-This module imports nothing of gpushare, so any layer may read it. Why each: docs/design.md, "Layers".
+This module imports nothing of gpushare, so any layer may read it. Why each: dev/design-notes.md, "Layers".
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ class SpinPolicy:
     that again ends sooner (woken quickly) turns spinning back on. A stream of items
     closer together than ``seconds`` then costs no sleep and no wake-up; sparse items
     cost no spinning. An end that sleeps stays asleep while its waits, wake-up included,
-    are longer than ``seconds`` (why it does not spin again to find out: docs/design.md,
-    "Spinning").
+    are longer than ``seconds`` (why it does not spin again to find out: dev/design-notes.md,
+    "The ring").
     """
 
     __slots__ = ("adaptive", "quick", "seconds")

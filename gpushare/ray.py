@@ -9,7 +9,7 @@ pickles in Ray's form (:func:`reduce_for_ray`), which carries its owner's node a
   copies the bytes, and Ray's object store carries them.
 - A Ray object pins its memory until the owner Manager's ``lease_timeout``: read it before.
 - The object carries the owner's multiprocessing authkey: a Ray cluster is one trust domain.
-The Ray guide has the details; docs/design.md, "Descriptors", the internals.
+The Ray guide has the details; dev/design-notes.md, "Descriptors", the internals.
 """
 
 from __future__ import annotations

@@ -192,13 +192,11 @@ _LAB_NOTES = re.compile(
 
 def test_user_pages_hold_no_lab_notes() -> None:
     # The pages tell what the software does and what was measured (device, date, command); the
-    # record of runs lives in the development folder. design.md, the contributors' page, aside.
+    # record of runs lives in the development folder.
     root = Path(ROOT)
     pages = [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
     found = []
     for page in pages:
-        if page.name == "design.md":
-            continue
         for number, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
             match = _LAB_NOTES.search(line)
             if match:
@@ -212,3 +210,40 @@ def test_the_lab_note_check_catches_what_it_names() -> None:
         assert _LAB_NOTES.search(text), text
     for text in ("one launch per 96 tensors", "2026-11-29 05:51, `python -m bench`", "a kernel launch"):
         assert not _LAB_NOTES.search(text), text
+
+
+# -- the contributors' map and its notes ------------------------------------------------------
+
+#: The map's length: a map, not the reasoning (which is the notes').
+MAP_WORDS = 4000
+#: A source comment that names a section of the map or the notes: the file, then the section's
+#: title in quotes, after a comma or in parentheses, perhaps on the comment's next line.
+_SECTION_REF = re.compile(r'dev/(design(?:-notes)?\.md)(?:,|\s*\()\s*(?:#\s*)?"([^"]+)"')
+
+
+def _headings(page: Path) -> set[str]:
+    return {line.lstrip("#").strip() for line in page.read_text(encoding="utf-8").splitlines() if line.startswith("#")}
+
+
+def test_the_design_map_is_a_map_outside_the_user_guide() -> None:
+    root = Path(ROOT)
+    words = len((root / "dev" / "design.md").read_text(encoding="utf-8").split())
+    assert words <= MAP_WORDS, f"dev/design.md has {words} words: the reasoning belongs in dev/design-notes.md"
+    assert not (root / "docs" / "design.md").exists(), "the contributors' map lives in dev/, not in the user guide"
+    assert "design" not in (root / "mkdocs.yml").read_text(encoding="utf-8"), "the user guide's nav names a design page"
+
+
+def test_every_source_reference_to_the_design_pages_names_a_section_they_have() -> None:
+    root = Path(ROOT)
+    headings = {name: _headings(root / "dev" / name) for name in ("design.md", "design-notes.md")}
+    refs = 0
+    bad = []
+    for path in sorted((root / "gpushare").rglob("*")):
+        if path.suffix not in (".py", ".c"):
+            continue
+        for name, title in _SECTION_REF.findall(path.read_text(encoding="utf-8")):
+            refs += 1
+            if title not in headings[name]:
+                bad.append(f"{path.relative_to(root)}: dev/{name} has no section {title!r}")
+    assert refs >= 30, f"only {refs} references found: the pattern no longer reads the source's comments"
+    assert not bad, "\n".join(bad)

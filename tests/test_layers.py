@@ -1,6 +1,6 @@
 """The package's import graph: no circles, and layers that import only downwards.
 
-The layers are read from docs/design.md (the picture under "## Layers": one line per
+The layers are read from dev/design.md (the picture under "## Layers": one line per
 layer, top first; a line starting with a space continues the description above it, or,
 when the names above end with a comma, those names: a layer of many small modules, such
 as the mirrors of multiprocessing's submodules, would not fit one line), so the picture
@@ -28,7 +28,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "gpushare"
 TESTS = ROOT / "tests"
-DESIGN = ROOT / "docs" / "design.md"
+DESIGN = ROOT / "dev" / "design.md"
 
 
 def module_name(path: Path) -> str:
@@ -69,7 +69,7 @@ def graph() -> dict[str, set[str]]:
 
 
 def doc_layers() -> list[list[str]]:
-    """The layers of docs/design.md's picture, top first, as module or package names."""
+    """The layers of dev/design.md's picture, top first, as module or package names."""
     text = DESIGN.read_text(encoding="utf-8")
     section = text.split("\n## Layers\n", 1)[1]
     block = section.split("```", 2)[1]
@@ -89,7 +89,7 @@ def doc_layers() -> list[list[str]]:
             elif token.endswith(".py"):
                 names.append("gpushare." + token[:-3])
             else:
-                raise AssertionError(f"docs/design.md layer line names {token!r}: write module.py or package/")
+                raise AssertionError(f"dev/design.md layer line names {token!r}: write module.py or package/")
         if continued:
             layers[-1].extend(names)
         else:
@@ -112,13 +112,13 @@ def test_docs_name_every_module_in_one_layer() -> None:
     layers = doc_layers()
     assert len(layers) >= 5, layers
     listed = [name for layer in layers for name in layer]
-    assert len(listed) == len(set(listed)), f"a module is in two layers of docs/design.md: {listed}"
+    assert len(listed) == len(set(listed)), f"a module is in two layers of dev/design.md: {listed}"
     mods = modules()
     for name in listed:
-        assert name in mods, f"docs/design.md's layer picture names {name}, which is not a module of the package"
+        assert name in mods, f"dev/design.md's layer picture names {name}, which is not a module of the package"
     layer_of = {name: i for i, layer in enumerate(layers) for name in layer}
     missing = sorted(m for m in mods if unit_of(m, layer_of) is None)
-    assert not missing, f"modules in no layer of docs/design.md's picture (add them to a line): {missing}"
+    assert not missing, f"modules in no layer of dev/design.md's picture (add them to a line): {missing}"
 
 
 def test_no_import_goes_up_a_layer() -> None:
@@ -135,7 +135,7 @@ def test_no_import_goes_up_a_layer() -> None:
                 upward.append(
                     f"{name} imports {target} (layer {layer_of[there] + 1} is above layer {layer_of[here] + 1})"
                 )
-    assert not upward, "imports that go up docs/design.md's layers:\n" + "\n".join(sorted(upward))
+    assert not upward, "imports that go up dev/design.md's layers:\n" + "\n".join(sorted(upward))
 
 
 def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:

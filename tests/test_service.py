@@ -2,7 +2,7 @@
 
 Messages go through real sockets: a socketpair for one Channel's frames and fds, and a
 Server with a Client for the accept-and-serve loop, the handlers and requests. The last
-tests check that docs/design.md's tables of the lease service's and the fan-out's messages
+tests check that dev/design.md's tables of the lease service's and the fan-out's messages
 are the code's.
 """
 
@@ -34,7 +34,7 @@ from gpushare._service import (
     handles,
 )
 
-DESIGN = Path(__file__).resolve().parent.parent / "docs" / "design.md"
+DESIGN = Path(__file__).resolve().parent.parent / "dev" / "design.md"
 AUTHKEY = b"test-service-authkey"
 
 
@@ -349,7 +349,7 @@ def test_a_client_with_the_wrong_authkey_is_refused() -> None:
         server.close()
 
 
-# -- the protocols, as docs/design.md lists them --------------------------------------------------
+# -- the protocols, as dev/design.md lists them --------------------------------------------------
 
 
 def message_rows(protocol: Protocol, client: str, server: str) -> list[str]:
@@ -374,25 +374,24 @@ def _fd_positions(cls: type) -> tuple[int, ...]:
 
 def test_design_md_lists_every_lease_message_as_the_code_defines_it() -> None:
     text = DESIGN.read_text(encoding="utf-8")
-    section = text.split("\n### Messages\n", 1)[1].split("\n## ", 1)[0]
+    section = text.split("\n### Lease messages\n", 1)[1].split("\n### ", 1)[0]
     table = [line for line in section.splitlines() if line.startswith("| `")]
     expected = message_rows(_protocol.LEASE, "consumer", "owner")
     missing = [row for row in expected if not any(line.startswith(row) for line in table)]
-    assert not missing, "docs/design.md's lease messages differ from the code (_lifetime/_protocol.py):\n" + "\n".join(
+    assert not missing, "dev/design.md's lease messages differ from the code (_lifetime/_protocol.py):\n" + "\n".join(
         missing
     )
-    assert len(table) == len(expected), "docs/design.md lists messages the lease protocol does not have"
+    assert len(table) == len(expected), "dev/design.md lists messages the lease protocol does not have"
 
 
 def test_design_md_lists_every_fanout_message_as_the_code_defines_it() -> None:
     text = DESIGN.read_text(encoding="utf-8")
-    fanout = text.split("\n## The fan-out\n", 1)[1].split("\n## ", 1)[0]
-    section = fanout.split("\n### Messages\n", 1)[1].split("\n### ", 1)[0]
+    section = text.split("\n### Fan-out messages\n", 1)[1].split("\n### ", 1)[0]
     # The messages' rows: a first cell that is one name (the frames, entries and EOF follow them).
     table = [line for line in section.splitlines() if re.match(r"\| `\w+` \|", line)]
     expected = message_rows(_registry.FANOUT, "reader", "producer")
     missing = [row for row in expected if not any(line.startswith(row) for line in table)]
-    assert not missing, "docs/design.md's fan-out messages differ from the code (_fanout/_registry.py):\n" + "\n".join(
+    assert not missing, "dev/design.md's fan-out messages differ from the code (_fanout/_registry.py):\n" + "\n".join(
         missing
     )
-    assert len(table) == len(expected), "docs/design.md lists fan-out messages the protocol does not have"
+    assert len(table) == len(expected), "dev/design.md lists fan-out messages the protocol does not have"

@@ -6,7 +6,7 @@
 - Consumer: imports the pool once per process (its fd by SCM_RIGHTS, cached by owner and
   pool), then one pointer import per allocation; the pool goes when the link to its owner closes.
 - Importers free their pointers before the owner frees; the lifetime service enforces that order.
-Why: docs/design.md, "Backends".
+Why: dev/design-notes.md, "Backends".
 """
 
 from __future__ import annotations

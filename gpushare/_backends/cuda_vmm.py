@@ -6,7 +6,7 @@
 - The fd travels by SCM_RIGHTS over the owner connection; descriptors carry no handle bytes.
 - Consumer: import + reserve + map + access, once per process per allocation.
 - Every construction is all or nothing: a failing step undoes the earlier ones.
-Why: docs/design.md, "Backends".
+Why: dev/design-notes.md, "Backends".
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@
 - Only the owner unlinks, once (:meth:`HostBackend.free`), and only it registers segments
   with the resource tracker. Consumers map by name and only unmap.
 - An ``mmap`` is never closed explicitly: it goes with its last reference (a Buffer, a NumPy view).
-Why: docs/design.md, "Backends".
+Why: dev/design-notes.md, "Backends".
 """
 
 from __future__ import annotations

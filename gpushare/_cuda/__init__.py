@@ -6,7 +6,7 @@
 - A failing driver call raises :class:`~gpushare._errors.CUDAError` (:func:`_driver._check`).
 - Work runs in the device's primary context; the caller's current context is left as it was.
 - Everything public is re-exported here; callers use ``gpushare._cuda.<name>``.
-Modules and rules: docs/design.md, "The CUDA layer".
+Modules and rules: dev/design-notes.md, "The CUDA layer".
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@
   :func:`memcpy_batch_async`) are queued on a stream; the caller orders or waits, and keeps
   both sides alive and unchanged until then.
 - A copy from the host is asynchronous only from page-locked memory (:func:`host_alloc`,
-  :func:`host_register`; both portable). See docs/design.md, "The CUDA layer".
+  :func:`host_register`; both portable). See dev/design-notes.md, "The CUDA layer".
 """
 
 from __future__ import annotations
@@ -169,7 +169,7 @@ def memcpy_batch_async(
     the kernel was built); one ``cuMemcpyBatchAsync``; else one ``cuMemcpyAsync`` per
     copy (``batch=False`` for copies between GPUs, the legacy default stream, or a
     batched call missing or refused; the first batch decides for the process).
-    docs/design.md, "The CUDA layer", has the table.
+    dev/design-notes.md, "The CUDA layer", has the table.
 
     A failing copy raises :class:`~gpushare._errors.CUDAError` naming the call,
     and in the loop which copy; check that copy's pointers and size, or queue the

@@ -7,7 +7,7 @@
 - The source below is compiled once per process and device by NVRTC; the cubin is cached on disk.
 - Where the kernel cannot be had, :func:`launch_copies` returns False and
   :func:`kernel_status` says why; the caller queues driver copies instead.
-Why a kernel, and how it splits the work: docs/design.md, "The copy kernel".
+Why a kernel, and how it splits the work: dev/design-notes.md, "The copy kernel".
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ shared memory). Two policies over it:
   readers take the latest version.
 
 A *slot* is one of the producer's buffers; a *version* is the number of a tensor
-set's publication. docs/design.md ("The fan-out") has the protocol and why it is safe.
+set's publication. dev/design-notes.md ("The fan-out") has the protocol and why it is safe.
 """
 
 from ._channel import Channel

@@ -2,7 +2,7 @@
 
 The producer makes one per registered reader (a ``memfd``, sent by SCM_RIGHTS
 at registration). Every word has one writer, so it needs no lock and no
-memory barrier (docs/design.md, "The channel", says why). Layout,
+memory barrier (dev/design-notes.md, "The channel", says why). Layout,
 little-endian, byte offsets, ``n`` slots::
 
     0 .. 64       reserved (zero)

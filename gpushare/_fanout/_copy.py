@@ -7,7 +7,7 @@ mappings it checked (:class:`Plan`). Host memory only: one ``memmove`` per
 tensor. A GPU involved: one batched call on this process's private stream of
 that device (:func:`copy_stream`), ordered after the caller's stream and the
 events named, with ``done`` recorded after the copies and waited on by the
-caller's stream. docs/design.md ("Tensor sets") says why.
+caller's stream. dev/design-notes.md ("Tensor sets (weight sync)") says why.
 """
 
 from __future__ import annotations

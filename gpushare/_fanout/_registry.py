@@ -19,7 +19,7 @@ its answers; a ring's carries only *frames*, ``u8 kind | body`` in the
 Connection's framing, written and read without it (they cost one write per
 consumer on the publishing thread): ``META`` (a meta too long for its entry,
 just before the entry) and ``CLOSED`` (the end, after the last item).
-docs/design.md has the tables.
+dev/design.md has the tables ("Fan-out messages").
 """
 
 from __future__ import annotations

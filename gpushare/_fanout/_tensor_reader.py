@@ -2,7 +2,7 @@
 
 A take is a request on the reader's socket (``Take``), answered by its thread
 in the trainer under the trainer's lock with a ``Grant`` (or ``TimedOut``, or
-``Closed``); docs/design.md says why it is not lock-free. A *grant* is this
+``Closed``); dev/design-notes.md, "Tensor sets (weight sync)", says why it is not lock-free. A *grant* is this
 process's hold on one slot: a reader holds at most one per slot, so two
 snapshots of one version share it. Its finalizer gives the slot back with the
 grant's id as the stamp (:meth:`~._slots.ReaderEnd.release`): no lock, no

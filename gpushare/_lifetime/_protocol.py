@@ -19,7 +19,7 @@ The lease journal: a consumer link's claims and releases, in shared memory (``me
 - Layout (little-endian): ``u64 tail`` at 0, ``u64 dropped`` at 8; from 64, ``CAPACITY`` records
   ``u64 value | u64 check``, ``value = lease_id << 1 | kind``, ``check = value ^ stamp(n)``.
 - A record counts once its check matches its sequence number: no head counter, no barrier.
-  Why that is safe, and back-pressure: docs/design.md, "The lease journal".
+  Why that is safe, and back-pressure: dev/design-notes.md, "The lease journal".
 
 The two are one protocol: a link without a journal sends the same records as ``Batch``
 messages, and the owner counts both alike.

@@ -14,7 +14,7 @@
   Buffer, so dropping the tensor, its views and its storage releases the lease, once the
   work queued on torch's current stream has finished (torch waits for that stream too).
 - CPU tensors, storages, nested and sparse tensors go to torch's own reducers.
-Why and the rules: docs/design.md, "torch tensors".
+Why and the rules: dev/design-notes.md, "torch tensors".
 """
 
 from __future__ import annotations

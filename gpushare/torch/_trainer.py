@@ -6,7 +6,7 @@
   runs the block (the optimizer's step), copies in buffers, and publishes.
 - Engines copy and let go (``load_state_dict``); a bound engine would stall ``update()``.
 - :meth:`TrainerWeights.detach` gives the parameters memory of their own again.
-Re-exported by :mod:`gpushare.torch`. Why and the steps: docs/design.md, "Tensor sets (weight sync)".
+Re-exported by :mod:`gpushare.torch`. Why and the steps: dev/design-notes.md, "Tensor sets (weight sync)".
 """
 
 from __future__ import annotations

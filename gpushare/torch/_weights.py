@@ -7,7 +7,7 @@
 - Engine, zero-copy: :func:`bind` makes the module's tensors view a snapshot, which it keeps.
 - Torch tensors over each slot are made once and kept; so is where each tensor goes (a plan).
 torch is imported with this module; gpushare's core never imports it.
-How each works: docs/design.md, "Tensor sets (weight sync)".
+How each works: dev/design-notes.md, "Tensor sets (weight sync)".
 """
 
 from __future__ import annotations
