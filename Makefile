@@ -19,7 +19,7 @@ DOCS_STAMP := $(VENV)/.installed-docs-$(PYVER)
 
 # .venv with gpushare alone. Python 3.10 or newer is checked first; a .venv left by another
 # Python (or by a failed first run) is removed and made again, and says so.
-$(BASE): pyproject.toml setup.py gpushare/_region.c gpushare/_handoff.c gpushare/_cuda/_queries.c
+$(BASE): pyproject.toml setup.py gpushare/_core.c gpushare/_region.c gpushare/_handoff.c gpushare/_cuda/_queries.c
 	@test -n "$(PYVER)" || { echo "make: '$(PYTHON)' does not run; install Python >= 3.10 or pass PYTHON=python3.X" >&2; exit 1; }
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10))' || { echo "make: gpushare needs Python >= 3.10, and '$(PYTHON)' is $(PYVER); pass PYTHON=python3.X (3.10 or newer)" >&2; exit 1; }
 	@$(PYTHON) -c 'import venv, ensurepip' 2>/dev/null || { echo "make: '$(PYTHON)' has no venv/ensurepip module; install it (Debian/Ubuntu: apt install python$(PYVER)-venv)" >&2; exit 1; }

@@ -188,7 +188,7 @@ def format_info(info: dict[str, Any]) -> str:
 
     lines.append("compiled core")
     for module, state in info["compiled_core"].items():
-        lines.append(f"  {module:<26}{'in use' if state['in_use'] else 'no: ' + state['why_not']}")
+        lines.append(f"  {module:<44}{'in use' if state['in_use'] else 'no: ' + state['why_not']}")
 
     lines.append("backends")
     for name, b in info["backends"].items():

@@ -1,5 +1,6 @@
-/* A buffer's handoff through a Queue in one C call at each end (the module ``gpushare._chandoff``,
- * built with the package: setup.py; gpushare._native loads it, gpushare._buffer uses it). Each call takes the steady state only, from a plan or an entry
+/* A buffer's handoff through a Queue in one C call at each end (in the compiled core,
+ * ``gpushare._core``: _core.c; built with the package by setup.py, loaded by gpushare._native,
+ * used by gpushare._buffer). Each call takes the steady state only, from a plan or an entry
  * the Python path left, and hands everything else back (None) with nothing changed: the
  * caller then takes the Python path, which handles it and says what is wrong. Layouts and
  * slot names come from Python, never restated here.
@@ -727,7 +728,7 @@ static PySequenceMethods Arrivals_sequence = {.sq_length = (lenfunc)Arrivals_len
 
 static PyTypeObject ArrivalsType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "gpushare._chandoff.Arrivals",
+    .tp_name = "gpushare._core.Arrivals",
     .tp_basicsize = sizeof(Arrivals),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "Received buffers' arrivals in one call, for allocations this process maps.",
@@ -1032,7 +1033,7 @@ static PyMethodDef Shares_methods[] = {
 
 static PyTypeObject SharesType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "gpushare._chandoff.Shares",
+    .tp_name = "gpushare._core.Shares",
     .tp_basicsize = sizeof(Shares),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "A Manager's buffers put on a Queue in one call, from the plans the Python path leaves.",
@@ -1042,27 +1043,22 @@ static PyTypeObject SharesType = {
     .tp_new = PyType_GenericNew,
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "gpushare._chandoff", NULL, -1, NULL, NULL, NULL, NULL, NULL};
-
-PyMODINIT_FUNC PyInit__chandoff(void)
+/* Adds ``Arrivals`` and ``Shares`` to the compiled core's module (``_core.c``); -1 with an
+ * exception set on failure. */
+int gpushare_handoff_add(PyObject *module)
 {
     crc_init();
     if (PyType_Ready(&ArrivalsType) < 0 || PyType_Ready(&SharesType) < 0)
-        return NULL;
-    PyObject *m = PyModule_Create(&module);
-    if (m == NULL)
-        return NULL;
+        return -1;
     Py_INCREF(&ArrivalsType);
-    if (PyModule_AddObject(m, "Arrivals", (PyObject *)&ArrivalsType) < 0) {
+    if (PyModule_AddObject(module, "Arrivals", (PyObject *)&ArrivalsType) < 0) {
         Py_DECREF(&ArrivalsType);
-        Py_DECREF(m);
-        return NULL;
+        return -1;
     }
     Py_INCREF(&SharesType);
-    if (PyModule_AddObject(m, "Shares", (PyObject *)&SharesType) < 0) {
+    if (PyModule_AddObject(module, "Shares", (PyObject *)&SharesType) < 0) {
         Py_DECREF(&SharesType);
-        Py_DECREF(m);
-        return NULL;
+        return -1;
     }
-    return m;
+    return 0;
 }

@@ -1,7 +1,7 @@
-"""gpushare's compiled core, loaded if installed: the Queue region's put and get
-(``_region.c``, the module ``gpushare._cregion``), a buffer's handoff at both ends of a Queue
-(``_handoff.c``, ``gpushare._chandoff``) and the driver's per-handoff queries
-(``_cuda/_queries.c``, ``gpushare._cuda._cqueries``).
+"""gpushare's compiled modules, loaded if installed: the core (``gpushare._core``: the Queue
+region's put and get, ``Ring`` in ``_region.c``, and a buffer's handoff at both ends of a Queue,
+``Arrivals`` and ``Shares`` in ``_handoff.c``) and the driver's per-handoff queries
+(``_cuda/_queries.c``, ``gpushare._cuda._cqueries``, loaded only with CUDA).
 
 - Built with the package (setup.py: ``pip install .``, ``make``, the wheels), never at run
   time. Where they were not built (no C compiler or Python headers at install time, not
@@ -19,7 +19,7 @@
   everywhere it is missing, or with ``GPUSHARE_HANDOFF_NATIVE=0``, takes the Python path.
 - The queries (:func:`queries_type`) are used on Linux wherever they are installed;
   elsewhere the driver's queries go through ctypes (``_cuda._queries``).
-- ``GPUSHARE_NATIVE=0`` turns all three off (no warning: that is asked for).
+- ``GPUSHARE_NATIVE=0`` turns all of them off (no warning: that is asked for).
 """
 
 from __future__ import annotations
@@ -75,13 +75,11 @@ def _warn_missing(module: str, exc: BaseException) -> None:
 
 
 class _Extension:
-    """One compiled module, imported once per process: the object it exports, or None
-    (``why_not`` says why)."""
+    """One compiled module, imported once per process: the module, or None (``why_not`` says why)."""
 
-    def __init__(self, module: str, attr: str, what: str) -> None:
+    def __init__(self, module: str, what: str) -> None:
         self.module = module
-        self.attr = attr
-        self.what = what  # for messages: "region", "handoff", "driver queries"
+        self.what = what  # for messages: "core", "driver queries"
         self.value: Any = None
         self.tried = False
         self.why_not: str | None = None
@@ -95,9 +93,8 @@ class _Extension:
                 return self.value
             missing = None
             try:
-                module = importlib.import_module(self.module)
-                self.value = getattr(module, self.attr) if self.attr else module
-            except (ImportError, AttributeError) as exc:
+                self.value = importlib.import_module(self.module)
+            except ImportError as exc:
                 self.why_not = f"{self.module} (the compiled {self.what}) is not installed: {exc}"
                 missing = exc
             self.tried = True
@@ -106,9 +103,8 @@ class _Extension:
         return self.value
 
 
-_region = _Extension("gpushare._cregion", "Ring", "region")
-_queries = _Extension("gpushare._cuda._cqueries", "Queries", "driver queries")
-_handoff = _Extension("gpushare._chandoff", "", "handoff")
+_core = _Extension("gpushare._core", "core")
+_queries = _Extension("gpushare._cuda._cqueries", "driver queries")
 
 
 def _off() -> bool:
@@ -116,10 +112,16 @@ def _off() -> bool:
 
 
 def core_paths() -> list[tuple[str, str | None]]:
-    """``gpushare info``'s lines: each compiled module's name, and None where it loads and is
-    used here, else why not (set off by the environment, not built, not this platform)."""
+    """``gpushare info``'s lines: each use of a compiled module (what, and the module), and None
+    where it loads and is used here, else why not (set off by the environment, not built, not
+    this platform)."""
     out: list[tuple[str, str | None]] = []
-    for ext, switch in ((_region, "GPUSHARE_QUEUE_NATIVE"), (_handoff, "GPUSHARE_HANDOFF_NATIVE"), (_queries, None)):
+    uses = (
+        ("Queue region", _core, "GPUSHARE_QUEUE_NATIVE"),
+        ("buffer handoff", _core, "GPUSHARE_HANDOFF_NATIVE"),
+        ("driver queries", _queries, None),
+    )
+    for what, ext, switch in uses:
         why: str | None = None
         for name in ("GPUSHARE_NATIVE", switch):
             if name and os.environ.get(name, "1") == "0":
@@ -127,14 +129,14 @@ def core_paths() -> list[tuple[str, str | None]]:
                 break
         if why is None and not sys.platform.startswith("linux"):
             why = "built on Linux only"
-        elif why is None and ext is _region and os.uname().machine.lower() not in ("x86_64", "amd64"):
+        elif why is None and what == "Queue region" and os.uname().machine.lower() not in ("x86_64", "amd64"):
             why = "used on x86-64 only (its lock must be the Python path's)"
         if why is None:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", CompiledCoreWarning)
                 if ext.load() is None:
                     why = ext.why_not
-        out.append((ext.module, why))
+        out.append((f"{what} ({ext.module})", why))
     return out
 
 
@@ -155,20 +157,21 @@ def region_ops(
     if not sys.platform.startswith("linux") or os.uname().machine.lower() not in ("x86_64", "amd64"):
         why_not = "the C region is built for Linux on x86-64 only"
         return None
-    ring = _region.load()
-    if ring is None:
-        why_not = _region.why_not
+    core = _core.load()
+    if core is None:
+        why_not = _core.why_not
         return None
     (p0, p1), (c0, c1) = copies
-    return ring(start, ctypes.addressof(start), cap, spill_over, header, *words, p0, p1, c0, c1, *locks)
+    return core.Ring(start, ctypes.addressof(start), cap, spill_over, header, *words, p0, p1, c0, c1, *locks)
 
 
 def handoff_module() -> Any:
-    """The module of ``_handoff.c`` (its ``Shares`` and ``Arrivals``: see ``gpushare._buffer``),
-    or None where it cannot be built or loaded, off Linux, or with ``GPUSHARE_NATIVE=0``."""
+    """The compiled core (its ``Shares`` and ``Arrivals``, from ``_handoff.c``: see
+    ``gpushare._buffer``), or None where it cannot be built or loaded, off Linux, or with
+    ``GPUSHARE_NATIVE=0`` or ``GPUSHARE_HANDOFF_NATIVE=0``."""
     if _off() or _handoff_off() or not sys.platform.startswith("linux"):
         return None
-    return _handoff.load()
+    return _core.load()
 
 
 def _handoff_off() -> bool:
@@ -182,7 +185,7 @@ def handoff_why_not() -> str | None:
             return f"{name}=0"
     if not sys.platform.startswith("linux"):
         return "the C handoff is built on Linux only"
-    return _handoff.why_not
+    return _core.why_not
 
 
 def queries_type() -> Any:
@@ -191,4 +194,5 @@ def queries_type() -> Any:
     built or loaded, off Linux, or with ``GPUSHARE_NATIVE=0``."""
     if _off() or not sys.platform.startswith("linux"):
         return None
-    return _queries.load()
+    queries = _queries.load()
+    return None if queries is None else queries.Queries

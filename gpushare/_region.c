@@ -1,6 +1,6 @@
 /* The Queue region's two hot operations in C: one put and one get of a message that fits
- * the ring, each a single call of the extension type ``Ring`` (the module ``gpushare._cregion``,
- * built with the package: setup.py; gpushare._native loads it).
+ * the ring, each a single call of the extension type ``Ring`` (in the compiled core,
+ * ``gpushare._core``: _core.c; built with the package by setup.py, loaded by gpushare._native).
  *
  * Same layout and commit protocol as gpushare._queues.Region (its constants are passed in,
  * never restated here): a record "length, kind, payload" written into the byte ring, then
@@ -288,7 +288,7 @@ static PyMethodDef Ring_methods[] = {
 
 static PyTypeObject RingType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "gpushare._cregion.Ring",
+    .tp_name = "gpushare._core.Ring",
     .tp_basicsize = sizeof(Ring),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "One queue region's put and get, as mapped in this process.",
@@ -298,20 +298,15 @@ static PyTypeObject RingType = {
     .tp_new = PyType_GenericNew,
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "gpushare._cregion", NULL, -1, NULL, NULL, NULL, NULL, NULL};
-
-PyMODINIT_FUNC PyInit__cregion(void)
+/* Adds ``Ring`` to the compiled core's module (``_core.c``); -1 with an exception set on failure. */
+int gpushare_region_add(PyObject *module)
 {
     if (PyType_Ready(&RingType) < 0)
-        return NULL;
-    PyObject *m = PyModule_Create(&module);
-    if (m == NULL)
-        return NULL;
+        return -1;
     Py_INCREF(&RingType);
-    if (PyModule_AddObject(m, "Ring", (PyObject *)&RingType) < 0) {
+    if (PyModule_AddObject(module, "Ring", (PyObject *)&RingType) < 0) {
         Py_DECREF(&RingType);
-        Py_DECREF(m);
-        return NULL;
+        return -1;
     }
-    return m;
+    return 0;
 }

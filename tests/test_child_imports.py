@@ -38,9 +38,11 @@ OWNER_SIDE = {
 #: The most gpushare Python modules a fresh child loads to get and read one host buffer
 #: (_native, which loads the compiled core, and how its get() spins, _spin, among them).
 HOST_LIMIT = 17
-#: The compiled core's modules, counted apart from HOST_LIMIT and CUDA_LIMIT: a child with the
-#: compiled core loads the region's and the handoff's (and, with CUDA, the queries') besides.
-COMPILED = {"gpushare._cregion", "gpushare._chandoff", "gpushare._cuda._cqueries"}
+#: The compiled modules, counted apart from HOST_LIMIT and CUDA_LIMIT: a child with the compiled
+#: core loads it (the region's and the handoff's calls in one module) and, with CUDA, the queries'.
+COMPILED = {"gpushare._core", "gpushare._cuda._cqueries"}
+#: Everything a fresh child loads of gpushare to get and read one host buffer, compiled or not.
+HOST_TOTAL_LIMIT = HOST_LIMIT + 1
 #: The same with a CUDA buffer: the host figure, less the host backend, plus the CUDA layer (its
 #: package, the five modules the package imports, and _queries, which loads with the driver) and
 #: the CUDA backend with its shared base. The ready events (_lifetime._ready) are not among them:
@@ -89,6 +91,7 @@ def test_a_child_getting_a_host_buffer_loads_no_cuda_and_no_owner_side(reap) -> 
     assert not OWNER_SIDE & set(loaded), sorted(OWNER_SIDE & set(loaded))
     python = [m for m in loaded if m not in COMPILED]
     assert len(python) <= HOST_LIMIT, f"{len(python)} gpushare Python modules in the child: {loaded}"
+    assert len(loaded) <= HOST_TOTAL_LIMIT, f"{len(loaded)} gpushare modules in the child: {loaded}"
 
 
 @pytest.mark.gpu

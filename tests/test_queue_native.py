@@ -87,10 +87,10 @@ def test_the_compiled_region_comes_with_the_package_and_is_used() -> None:
 
 
 def test_a_missing_compiled_module_leaves_the_python_path_warns_once_and_says_why() -> None:
-    used, warned, why = probe("gpushare._cregion")
+    used, warned, why = probe("gpushare._core")
     assert not used and warned == 1
-    assert "gpushare._cregion" in why and "not installed" in why
-    assert probe("gpushare._cregion", GPUSHARE_QUEUE_NATIVE="0") == (False, 0, "GPUSHARE_QUEUE_NATIVE=0")
+    assert "gpushare._core" in why and "not installed" in why
+    assert probe("gpushare._core", GPUSHARE_QUEUE_NATIVE="0") == (False, 0, "GPUSHARE_QUEUE_NATIVE=0")
     assert probe(GPUSHARE_NATIVE="0") == (False, 0, "GPUSHARE_NATIVE=0")
 
 
@@ -99,7 +99,11 @@ def test_gpushare_info_names_the_path_in_use() -> None:
 
     info = collect_info()
     core = info["compiled_core"]
-    assert set(core) == {"gpushare._cregion", "gpushare._chandoff", "gpushare._cuda._cqueries"}
+    assert set(core) == {
+        "Queue region (gpushare._core)",
+        "buffer handoff (gpushare._core)",
+        "driver queries (gpushare._cuda._cqueries)",
+    }
     text = format_info(info)
     for module, state in core.items():
         assert (state["in_use"] and state["why_not"] is None) or (not state["in_use"] and state["why_not"])
