@@ -712,6 +712,57 @@ def attach_buffer(desc: Descriptor) -> Buffer:
     return Buffer(attach(desc), desc.offset, desc.shape, _dtype(desc.dtype))  # a cached dtype
 
 
+def attach_through(desc: Descriptor, authkey: bytes) -> Buffer:
+    """The Buffer ``desc`` names, mapped here under a lease of its own taken through the
+    descriptor's unclaimed one (``LeaseVia``): how a process outside the owner's process tree
+    (a Ray worker) reads a descriptor many processes may read. ``authkey``: the owner's.
+    Raises DescriptorError once that lease is gone."""
+    from . import _lifetime
+    from ._lifetime._protocol import LeaseVia
+
+    owner = _lifetime.owner_for(desc.owner_token)
+    if owner is not None:
+        lease = owner.leases.lease_via(desc.alloc_id, desc.generation, desc.lease_id, _lifetime.LOCAL)
+    else:
+        link = _lifetime.link_for(desc.address, desc.owner_token, authkey)
+        lease = int(link.request(LeaseVia, desc.alloc_id, desc.generation, desc.lease_id, False))
+    return attach_buffer(desc._replace(lease_id=lease))
+
+
+NODE_ID_ENV = "GPUSHARE_NODE_ID"
+"""The environment variable that names this machine, where the boot id is not enough (see node_identity)."""
+
+
+def node_identity() -> str:
+    """Which machine this process runs on (a descriptor's owner address is a Unix socket,
+    reachable only on the same machine).
+
+    Returns
+    -------
+    str
+        ``$GPUSHARE_NODE_ID`` if set, else the kernel's boot id.
+    """
+    override = os.environ.get(NODE_ID_ENV)
+    if override:
+        return override
+    return _boot_id()
+
+
+_BOOT_ID: list[str] = []
+
+
+def _boot_id() -> str:
+    if not _BOOT_ID:
+        try:
+            with open("/proc/sys/kernel/random/boot_id") as f:
+                _BOOT_ID.append("boot:" + f.read().strip())
+        except OSError:  # not Linux /proc: the host name is the best there is
+            import socket
+
+            _BOOT_ID.append("host:" + socket.gethostname())
+    return _BOOT_ID[0]
+
+
 def from_queue_pickle(data: bytes) -> Buffer | None:
     """The Buffer ``data`` is the :func:`queue_pickle` of, or None for any other pickle."""
     if data.startswith(QUEUE_HEAD) and data.endswith(QUEUE_TAIL):

@@ -21,41 +21,14 @@ from typing import Any
 import numpy as np
 
 from . import _lifetime
-from ._buffer import Buffer, attach_buffer, descriptor_of, memory_of
+from ._buffer import NODE_ID_ENV, Buffer, attach_through, descriptor_of, memory_of, node_identity
 from ._errors import DescriptorError, GpushareError, OwnerGoneError
-from ._lifetime._protocol import LeaseVia
 from ._memory import Descriptor
 
-__all__ = ["NODE_ID_ENV", "NodeCopy", "node_identity", "reduce_for_ray"]
+__all__ = ["NODE_ID_ENV", "TRANSPORT", "NodeCopy", "node_identity", "reduce_for_ray", "register_tensor_transport"]
 
-NODE_ID_ENV = "GPUSHARE_NODE_ID"
-"""The environment variable that names this machine, where the boot id is not enough (see node_identity)."""
-_BOOT_ID = "/proc/sys/kernel/random/boot_id"
-
-
-def node_identity() -> str:
-    """Which machine this process runs on.
-
-    Returns
-    -------
-    str
-        ``$GPUSHARE_NODE_ID`` if set, else the kernel's boot id.
-    """
-    override = os.environ.get(NODE_ID_ENV)
-    if override:
-        return override
-    return _boot_id()
-
-
-@functools.lru_cache(maxsize=1)
-def _boot_id() -> str:
-    try:
-        with open(_BOOT_ID) as f:
-            return "boot:" + f.read().strip()
-    except OSError:  # not Linux /proc: the host name is the best we have
-        import socket
-
-        return "host:" + socket.gethostname()
+TRANSPORT = "GPUSHARE"
+"""The name :func:`register_tensor_transport` registers by default (Ray matches it in any case)."""
 
 
 class NodeCopy(np.ndarray):
@@ -129,19 +102,13 @@ def reduce_for_ray(buf: Buffer) -> tuple[Any, tuple[Any, ...]]:
 def _attach_here(desc: Descriptor, authkey: bytes) -> Buffer:
     """Map the buffer in this process (on the owner's node) under a lease of its own."""
     try:
-        owner = _lifetime.owner_for(desc.owner_token)
-        if owner is not None:
-            lease = owner.leases.lease_via(desc.alloc_id, desc.generation, desc.lease_id, _lifetime.LOCAL)
-        else:
-            link = _lifetime.link_for(desc.address, desc.owner_token, authkey)
-            lease = int(link.request(LeaseVia, desc.alloc_id, desc.generation, desc.lease_id, False))
+        return attach_through(desc, authkey)
     except DescriptorError as exc:
         raise DescriptorError(
             f"a gpushare buffer in this Ray object can no longer be read ({exc}): a Ray object pins its "
             "buffer for the owner Manager's lease_timeout after it is made, and afterwards only while the "
             "owner's allocation is unchanged. Read it sooner, raise lease_timeout, or put the buffer again"
         ) from None
-    return attach_buffer(desc._replace(lease_id=lease))
 
 
 def _rebuild(data: bytes, node: str, ray_node: str, authkey: bytes) -> Buffer | NodeCopy:
@@ -190,3 +157,58 @@ def _copy_from_owner_node(data: bytes, ray_node: str, authkey: bytes) -> NodeCop
             "its owner's node is probably gone. Keep the owner alive until readers are done"
         ) from None
     return np.array(array, copy=True).view(NodeCopy)  # Ray hands out read-only views of its store
+
+
+def register_tensor_transport(name: str = TRANSPORT) -> str:
+    """Register gpushare as a Ray tensor transport for torch tensors, CPU and CUDA.
+
+    Call it in the driver before defining the actor classes whose methods name it (Ray checks
+    the name there) and before creating those actors (Ray hands registered transports to the
+    actors it creates). Calling it again is harmless. An actor class that receives such tensors
+    but has no method that names a transport needs ``@ray.remote(enable_tensor_transport=True)``:
+    without it Ray runs the transfer on the thread of the method waiting for it, and both wait. Then pick it per method,
+    ``@ray.method(tensor_transport="gpushare")``, or per object,
+    ``ray.put(tensor, _tensor_transport="gpushare")``. A tensor returned by one actor reaches
+    other actors on the same node as a mapping of the same memory: a CUDA tensor with no copy,
+    a CPU tensor copied once into shared memory. Each object's memory is held until Ray drops
+    the object; a receiver's tensor holds it until the receiver drops the tensor.
+
+    Parameters
+    ----------
+    name : str
+        The transport's name, as methods and ``ray.put`` name it (default ``"GPUSHARE"``).
+
+    Returns
+    -------
+    str
+        The name registered (upper case, as Ray keeps it).
+
+    Raises
+    ------
+    BackendUnavailableError
+        If Ray has no tensor transport API (Ray older than 2.54) or torch is missing.
+    ValueError
+        If another transport of that name is registered already.
+    """
+    from ._errors import BackendUnavailableError
+
+    try:
+        import torch
+        from ray.experimental import register_tensor_transport as register
+    except ImportError as exc:
+        import ray
+
+        raise BackendUnavailableError(
+            f"the gpushare tensor transport needs torch and Ray's tensor transport API (Ray 2.54 or later; "
+            f"this is Ray {ray.__version__}): {exc}. Install both, or pass gpushare Buffers to Ray tasks "
+            "as they are (no registration)"
+        ) from None
+    from ray.experimental.rdt import util
+
+    from .torch._ray import GpushareTransport
+
+    known = util.transport_manager_info.get(name.upper())
+    if known is not None and known.transport_manager_class is GpushareTransport:
+        return name.upper()
+    register(name, ["cuda", "cpu"], GpushareTransport, torch.Tensor)
+    return name.upper()

@@ -366,3 +366,41 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH", "")) if p)
     env.update(extra)
     return env
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Any]:
+    """A local two-node Ray cluster for one test module (test_ray.py, test_ray_transport.py):
+    node "a" (the driver's) with the resource ``node_a``, node "b" with ``node_b`` and
+    ``GPUSHARE_NODE_ID`` set, so its workers believe they are on another machine. Workers
+    inherit their raylet's environment, which is this process's when the node is added."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from gpushare import ray as gray
+
+    os.environ.pop(gray.NODE_ID_ENV, None)
+    env = {"GPUSHARE_BACKEND": "host", "RAY_DEDUP_LOGS": "0"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    c = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 1, "resources": {"node_a": 1}, "include_dashboard": False},
+    )
+    os.environ[gray.NODE_ID_ENV] = "simulated-node-b"
+    try:
+        c.add_node(num_cpus=1, resources={"node_b": 1})
+    finally:
+        del os.environ[gray.NODE_ID_ENV]
+    ray.init(address=c.address, include_dashboard=False, log_to_driver=False)
+    c.wait_for_nodes()
+    try:
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

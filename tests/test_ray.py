@@ -29,37 +29,6 @@ ON_A = {"resources": {"node_a": 0.01}}
 ON_B = {"resources": {"node_b": 0.01}}
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
-    # Workers inherit their raylet's environment, which is this process's when
-    # the node is added: the override applies to node b's workers only.
-    os.environ.pop(gray.NODE_ID_ENV, None)
-    env = {"GPUSHARE_BACKEND": "host", "RAY_DEDUP_LOGS": "0"}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    c = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 1, "resources": {"node_a": 1}, "include_dashboard": False},
-    )
-    os.environ[gray.NODE_ID_ENV] = "simulated-node-b"
-    try:
-        c.add_node(num_cpus=1, resources={"node_b": 1})
-    finally:
-        del os.environ[gray.NODE_ID_ENV]
-    ray.init(address=c.address, include_dashboard=False, log_to_driver=False)
-    c.wait_for_nodes()
-    try:
-        yield c
-    finally:
-        ray.shutdown()
-        c.shutdown()
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 @pytest.fixture
 def manager(cluster: Cluster) -> Iterator[Any]:
     with mp.Manager(lease_timeout=3.0) as m:

@@ -28,6 +28,7 @@ MODULES = (
     "dataloader_cpu",
     "weight_sync",
     "torch_mp",
+    "ray_transport",
 )
 
 

@@ -509,12 +509,18 @@ class LeaseTable:
             if lease is not None:
                 lease.quiet = True
 
-    def release_locked(self, lease_id: int, holder: int) -> None:
+    def drop_unclaimed(self, lease_id: int) -> None:
+        """The sharer gives back a lease no process claimed, kept for readers that lease
+        through it (a Ray transport's object, once Ray dropped it); a no-op once it is gone."""
+        with self._state.lock:
+            self.release_locked(lease_id, None)
+
+    def release_locked(self, lease_id: int, holder: int | None) -> None:
         """``holder`` gives ``lease_id`` back (a no-op if it does not hold it)."""
         lease = self._leases.get(lease_id)
         if lease is None or lease.holder != holder:
             return
-        if holder != LOCAL:
+        if holder is not None and holder != LOCAL:
             held = self._held.get(holder)
             if held is not None:
                 held.discard(lease_id)
