@@ -15,9 +15,13 @@ from typing import Any
 
 import pytest
 
-ray = pytest.importorskip("ray")
-torch = pytest.importorskip("torch")
-pytest.importorskip("ray.experimental.rdt")
+ray = pytest.importorskip(
+    "ray",
+    reason="Ray is not installed (the `ray` extra). The GPU machines have none: the CUDA tests here run only "
+    "where Ray and a GPU both are",
+)
+torch = pytest.importorskip("torch", reason="the tensor transport carries torch tensors; torch is not installed")
+pytest.importorskip("ray.experimental.rdt", reason="this Ray has no tensor transport API (Ray 2.54 or later)")
 from ray.cluster_utils import Cluster  # noqa: E402
 
 import gpushare as mp  # noqa: E402
@@ -202,3 +206,31 @@ def test_registration_is_idempotent_and_refuses_another_transports_name() -> Non
     assert gray.register_tensor_transport() == NAME == "GPUSHARE"
     with pytest.raises(ValueError, match="already registered"):
         gray.register_tensor_transport("gloo")  # Ray's own
+
+
+def test_a_ray_without_the_transport_api_gets_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ray.experimental
+
+    monkeypatch.delattr(ray.experimental, "register_tensor_transport")
+    with pytest.raises(mp.BackendUnavailableError, match=r"Ray 2\.54 or later"):
+        gray.register_tensor_transport("another")
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_tensors_and_a_view_travel_as_the_source_s_memory() -> None:
+    """The transport's own calls on CUDA tensors, in this process (the GPU machines have no Ray
+    for actors): a view keeps its offset, the receiver's tensor is the source's memory."""
+    from gpushare.torch._ray import GpushareTransport
+
+    transport = GpushareTransport()
+    base = torch.arange(64.0, device="cuda")
+    view = base[16:24]  # contiguous, 64 bytes into its storage
+    meta = transport.extract_tensor_transport_metadata("cuda", [base, view])
+    assert meta.tensor_device == "cuda" and meta.offsets == [0, 64]
+    received = transport.recv_multiple_tensors("cuda", meta, transport.get_communicator_metadata(None, None))
+    assert received[1].tolist() == [float(i) for i in range(16, 24)]
+    base[16] = -1.0  # the same memory: the receiver sees the source's write
+    torch.cuda.synchronize()
+    assert received[1][0].item() == -1.0
+    transport.garbage_collect("cuda", meta, [])
+    assert transport.outstanding() == 0 and received[0].sum().item() == float(sum(range(64))) - 17.0

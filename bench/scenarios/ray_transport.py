@@ -27,7 +27,9 @@ GPUSHARE_T = "gpushare transport"
 OBJECT_STORE = "Ray object store"
 GLOO = "Ray gloo transport"
 CALLS = "Ray calls alone (no tensor)"
-SYSTEMS = (GPUSHARE_T, OBJECT_STORE, GLOO, CALLS)
+NOTHING = "a transport that moves nothing"
+SYSTEMS = (GPUSHARE_T, OBJECT_STORE, GLOO, NOTHING, CALLS)
+NOTHING_NAME = "BENCH_NOTHING"
 SIZES = ((1 * MiB, "1 MiB"), (64 * MiB, "64 MiB"))
 WARMUP = 3
 
@@ -39,8 +41,11 @@ HOW = (
     "Ray's object store (no transport), or through Ray's gloo transport (a `torch_gloo` collective group "
     "of the source and its receivers); each receiver's method reads the tensor's first element and returns "
     f"it. `{CALLS}`: the same calls with the source returning a small int, what Ray's scheduling costs "
-    "every system. One iteration: the call on the source, then `ray.get` of every receiver's call on its result, "
-    f"timed from the first call to the last answer, after {WARMUP} untimed ones. Each cell makes its actors "
+    f"every system. `{NOTHING}`: a tensor transport registered beside gpushare's whose metadata carries "
+    "only the shapes and whose receiver makes empty tensors of them: what Ray's own steps of a tensor "
+    "transport cost, the floor of any transport. One iteration: the call on the source, then `ray.get` "
+    "of every receiver's call on its result, timed from the first call to the last answer, after "
+    f"{WARMUP} untimed ones. Each cell makes its actors "
     "anew and kills them after. The goal: gpushare's transport at most half the object store's time."
 )
 
@@ -98,6 +103,8 @@ def run_row(bench: Bench, row: str, nbytes: int, n: int) -> dict[str, list[int]]
     ray = _ray(n)
     import torch
 
+    _register_nothing()
+
     iters = bench.cfg.heavy_iters if nbytes >= 64 * MiB else bench.cfg.iters
     elements = nbytes // 4
 
@@ -147,8 +154,59 @@ def run_row(bench: Bench, row: str, nbytes: int, n: int) -> dict[str, list[int]]
     out[GPUSHARE_T] = measure(name, False)
     out[OBJECT_STORE] = measure(None, False)
     out[CALLS] = measure(None, False, tensor=False)
+    out[NOTHING] = measure(NOTHING_NAME, False)
     try:
         out[GLOO] = measure("gloo", True)
     except Exception as exc:  # gloo needs torch.distributed built with it: the cell says so, the rest stands
         bench.scenarios[KEY].systems.setdefault(GLOO, Series()).errors[row] = f"{type(exc).__name__}: {exc}"
     return out
+
+
+def _register_nothing() -> None:
+    """Register, once per process, the transport that moves nothing (see HOW)."""
+    import torch
+    from ray.experimental import register_tensor_transport
+    from ray.experimental.rdt import util
+    from ray.experimental.rdt.tensor_transport_manager import (
+        CommunicatorMetadata,
+        TensorTransportManager,
+        TensorTransportMetadata,
+    )
+
+    if NOTHING_NAME in util.transport_manager_info:
+        return
+
+    class Nothing(TensorTransportManager):  # pickled by value into each actor Ray makes
+        def tensor_transport_backend(self) -> str:
+            return NOTHING_NAME
+
+        @staticmethod
+        def is_one_sided() -> bool:
+            return True
+
+        @staticmethod
+        def can_abort_transport() -> bool:
+            return False
+
+        def actor_has_tensor_transport(self, actor: Any) -> bool:
+            return True
+
+        def extract_tensor_transport_metadata(self, obj_id: str, tensors: list[Any]) -> Any:
+            return TensorTransportMetadata(tensor_meta=[(t.shape, t.dtype) for t in tensors], tensor_device="cpu")
+
+        def get_communicator_metadata(self, src: Any, dst: Any, backend: str | None = None) -> Any:
+            return CommunicatorMetadata()
+
+        def recv_multiple_tensors(self, obj_id: str, meta: Any, comm: Any, target_buffers: Any = None) -> list[Any]:
+            return [torch.empty(shape, dtype=dtype) for shape, dtype in meta.tensor_meta]
+
+        def send_multiple_tensors(self, tensors: Any, meta: Any, comm: Any) -> None:
+            raise NotImplementedError
+
+        def garbage_collect(self, obj_id: str, meta: Any, tensors: Any) -> None:
+            pass
+
+        def abort_transport(self, obj_id: str, comm: Any) -> None:
+            pass
+
+    register_tensor_transport(NOTHING_NAME, ["cpu"], Nothing, torch.Tensor)
