@@ -164,14 +164,15 @@ def register_tensor_transport(name: str = TRANSPORT) -> str:
 
     Call it in the driver before defining the actor classes whose methods name it (Ray checks
     the name there) and before creating those actors (Ray hands registered transports to the
-    actors it creates). Calling it again is harmless. An actor class that receives such tensors
-    but has no method that names a transport needs ``@ray.remote(enable_tensor_transport=True)``:
-    without it Ray runs the transfer on the thread of the method waiting for it, and both wait. Then pick it per method,
-    ``@ray.method(tensor_transport="gpushare")``, or per object,
-    ``ray.put(tensor, _tensor_transport="gpushare")``. A tensor returned by one actor reaches
-    other actors on the same node as a mapping of the same memory: a CUDA tensor with no copy,
-    a CPU tensor copied once into shared memory. Each object's memory is held until Ray drops
-    the object; a receiver's tensor holds it until the receiver drops the tensor.
+    actors it creates); calling it again is harmless. Then pick it per method,
+    ``@ray.method(tensor_transport="gpushare")``. An actor class that receives such tensors but
+    has no method that names a transport needs ``@ray.remote(enable_tensor_transport=True)``:
+    without it Ray runs the transfer on the thread of the method waiting for it, and both wait.
+
+    A tensor returned by one actor reaches other actors on the same node as a mapping of the
+    same memory: a CUDA tensor with no copy, a CPU tensor copied once into shared memory. Each
+    object's memory is held until Ray drops the object; a receiver's tensor holds it until the
+    receiver drops the tensor. A receiver on another node gets ``BackendUnavailableError``.
 
     Parameters
     ----------

@@ -34,7 +34,7 @@ from .. import _lifetime
 from .._buffer import Buffer, attach_through, memory_of, node_identity, share_bytes
 from .._errors import BackendUnavailableError, DescriptorError
 from .._memory import Descriptor
-from ._sharing import _current_stream, _Received, _share_storage, sharing_owner
+from ._sharing import _current_stream, _share_storage, received_bytes, sharing_owner
 
 __all__ = ["GpushareTransport", "GpushareTransportMetadata"]
 
@@ -224,7 +224,7 @@ def _receive(data: bytes, authkey: bytes, shape: Any, dtype: torch.dtype, offset
         device = memory_of(buf).device
         assert device is not None
         memory_of(buf).order_stream(_current_stream(device))
-        raw = torch.as_tensor(_Received(buf, device), device=torch.device("cuda", device))
+        raw = received_bytes(buf, device)
     count = 1
     for n in shape:
         count *= int(n)

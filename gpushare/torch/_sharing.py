@@ -192,16 +192,22 @@ def _storage_from(data: bytes) -> torch.UntypedStorage:
     device = memory.device
     assert device is not None  # a CUDA tensor's storage is device memory
     memory.order_stream(_current_stream(device))
+    return received_bytes(buffer, device).untyped_storage()
+
+
+def received_bytes(buffer: Buffer, device: int) -> torch.Tensor:
+    """A uint8 CUDA tensor over a received Buffer's memory, which holds the Buffer (and so its
+    lease) while torch uses the memory; a re-send of it goes back through its owner."""
     holder = _Received(buffer, device)
-    storage = torch.as_tensor(holder, device=torch.device("cuda", device)).untyped_storage()
-    key = storage.data_ptr()
+    raw = torch.as_tensor(holder, device=torch.device("cuda", device))
+    key = raw.data_ptr()
 
     def forget(ref: weakref.ref[_Received], key: int = key) -> None:
         if _received.get(key) is ref:
             del _received[key]
 
     _received[key] = weakref.ref(holder, forget)
-    return storage
+    return raw
 
 
 def _share_storage(storage: torch.UntypedStorage) -> bytes:
