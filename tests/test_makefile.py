@@ -36,10 +36,17 @@ def _stand_in(path: Path, version: str | None) -> Path:
     return path
 
 
+def _prerequisites() -> list[str]:
+    """The set-up's prerequisites, as the Makefile's ``$(BASE):`` rule names them (the project's
+    metadata and the compiled core's sources), read rather than listed here."""
+    for line in (Path(ROOT) / "Makefile").read_text().splitlines():
+        if line.startswith("$(BASE):"):
+            return line.split(":", 1)[1].split()
+    raise AssertionError("the Makefile has no $(BASE): rule")
+
+
 def _make(tmp_path: Path, python: Path) -> subprocess.CompletedProcess[str]:
-    # The set-up's prerequisites: the Makefile, the project's metadata and the compiled core's sources.
-    for name in ("Makefile", "pyproject.toml", "setup.py", "gpushare/_region.c", "gpushare/_handoff.c",
-                 "gpushare/_cuda/_queries.c"):  # fmt: skip
+    for name in ("Makefile", *_prerequisites()):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(Path(ROOT) / name, tmp_path / name)
     return subprocess.run(
