@@ -196,6 +196,11 @@ def _init_mutex(addr: int) -> None:
 #: (Ctrl-C ends the wait) and the caller's deadline is looked at.
 LOCK_SLICE = 0.05
 
+#: What ``acquire`` answers a signal handler's call that finds its own thread holding the lock
+#: between taking it and entering its call's ``try:`` (or between leaving it and letting go):
+#: nothing is half written then, so the handler's call works under that hold and leaves it held.
+LENT = "lent"
+
 
 class _QueueLock:
     """What both kinds of queue lock share: :meth:`run` (a call under the lock) and :meth:`unleak`.
@@ -203,14 +208,15 @@ class _QueueLock:
     ``holder`` (the thread of this process that takes or holds it) is set before the lock is
     taken, and ``inside`` (the same thread) once the caller's ``try:`` is entered: a call
     interrupted in between (by a signal handler's exception) leaves ``holder`` without
-    ``inside``, and :meth:`unleak` lets go of it; a thread that finds ``inside`` its own is
-    a signal handler's call re-entering (:class:`ReentrantCallError`)."""
+    ``inside``, and :meth:`unleak` lets go of it. A signal handler's call that finds ``inside``
+    its own thread's raises :class:`ReentrantCallError`; one that finds the lock held by its
+    thread but not ``inside`` is :data:`LENT` it (see dev/design-notes.md, "Queues")."""
 
     __slots__ = ("holder", "inside")
     holder: int
     inside: int
 
-    def acquire(self, deadline: float | None = None) -> bool:
+    def acquire(self, deadline: float | None = None) -> bool | str:
         raise NotImplementedError
 
     def release(self) -> None:
@@ -219,8 +225,16 @@ class _QueueLock:
     def run(self, deadline: float | None, busy: Any, work: Any, *args: Any) -> Any:
         """``work(*args)`` under the lock, or ``busy`` when the lock was not had by ``deadline``
         (``time.monotonic()``; None: wait for it)."""
-        if not self.acquire(deadline):
+        got = self.acquire(deadline)
+        if not got:
             return busy
+        if got is LENT:  # a signal handler's call: its thread's interrupted call lets go later
+            before = self.inside
+            try:
+                self.inside = _get_ident()
+                return work(*args)
+            finally:
+                self.inside = before
         try:
             self.inside = self.holder
             return work(*args)
@@ -247,16 +261,21 @@ class _RobustLock(_QueueLock):
         self.holder = 0
         self.inside = 0
 
-    def acquire(self, deadline: float | None = None) -> bool:
+    def acquire(self, deadline: float | None = None) -> bool | str:
         """Take the lock (True), or False once ``deadline`` (``time.monotonic()``; None: none)
-        passed with another holder. A dead holder's lock is taken over."""
+        passed with another holder, or LENT (see :class:`_QueueLock`). A dead holder's lock is
+        taken over."""
         me = _get_ident()
         if self.inside == me:
             raise ReentrantCallError("this thread is inside a call on this queue already")
+        before = self.holder
         self.holder = me
-        err = _quick.pthread_mutex_trylock(self.arg)
+        err = _quick.pthread_mutex_trylock(self.arg)  # a robust error-checking mutex: EDEADLK if ours
         if err == EBUSY:
             err = self._wait(deadline)
+        if err == EDEADLK:  # this thread holds it (a signal handler's call: see _QueueLock)
+            self.holder = before
+            return LENT
         if err == EOWNERDEAD:
             # Its holder died; what it left is the last commit (see the module docstring).
             _blocking.pthread_mutex_consistent(self.arg)
@@ -275,10 +294,8 @@ class _RobustLock(_QueueLock):
             until = time.time() + max(0.0, left)
             ts.tv_sec, ts.tv_nsec = int(until), int((until % 1.0) * 1e9)
             err = _blocking.pthread_mutex_timedlock(self.arg, ctypes.byref(ts))  # without the GIL
-            if err == EDEADLK:  # this thread has it: left by an interrupted call, or a re-entry
-                if self.inside == _get_ident():
-                    raise ReentrantCallError("this thread is inside a call on this queue already")
-                return 0
+            if err == EDEADLK and self.inside == _get_ident():
+                raise ReentrantCallError("this thread is inside a call on this queue already")
             if err != ETIMEDOUT or left <= 0:
                 return int(err)
             self.holder = _get_ident()  # a re-entering handler's call may have cleared it
@@ -293,7 +310,7 @@ class _RecordLock(_QueueLock):
     """The fallback: a POSIX record lock on one byte of the file (the kernel drops it when its
     process dies), behind a thread lock (record locks belong to a process, not a thread)."""
 
-    __slots__ = ("fd", "offset", "tlock")
+    __slots__ = ("fd", "offset", "taking", "tlock")
 
     def __init__(self, fd: int, offset: int) -> None:
         self.fd = fd
@@ -301,44 +318,54 @@ class _RecordLock(_QueueLock):
         self.tlock = threading.Lock()
         self.holder = 0
         self.inside = 0
+        self.taking = 0  # the thread between wanting the thread lock and holding both (or letting go)
 
-    def acquire(self, deadline: float | None = None) -> bool:
-        if self.holder == _get_ident():
-            if self.inside == self.holder:
+    def acquire(self, deadline: float | None = None) -> bool | str:
+        me = _get_ident()
+        if self.holder == me:
+            if self.inside == me:
                 raise ReentrantCallError("this thread is inside a call on this queue already")
-            self.release()  # left by an interrupted call of this thread
-        timeout = -1 if deadline is None else max(0.0, deadline - time.monotonic())
-        if not self.tlock.acquire(True, timeout):
-            return False
+            return LENT  # a signal handler's call (see _QueueLock)
+        if self.taking == me:  # its thread was interrupted taking or letting go of it: not ours to wait for
+            raise ReentrantCallError("this thread is taking this queue's lock already")
+        self.taking = me
         try:
-            while True:
-                try:
-                    fcntl.lockf(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, self.offset)
-                    break
-                except OSError as exc:
-                    if exc.errno not in (errno.EACCES, errno.EAGAIN):
-                        raise
-                if deadline is not None and time.monotonic() >= deadline:
-                    self.tlock.release()
-                    return False
-                time.sleep(POLL_SLEEP)
-        except BaseException:
-            self.tlock.release()
-            raise
-        self.holder = _get_ident()
-        return True
+            timeout = -1 if deadline is None else max(0.0, deadline - time.monotonic())
+            if not self.tlock.acquire(True, timeout):
+                return False
+            try:
+                while True:
+                    try:
+                        fcntl.lockf(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, self.offset)
+                        break
+                    except OSError as exc:
+                        if exc.errno not in (errno.EACCES, errno.EAGAIN):
+                            raise
+                    if deadline is not None and time.monotonic() >= deadline:
+                        self.tlock.release()
+                        return False
+                    time.sleep(POLL_SLEEP)
+            except BaseException:
+                self.tlock.release()
+                raise
+            self.holder = me
+            return True
+        finally:
+            self.taking = 0
 
     def release(self) -> None:
+        self.taking = _get_ident()
         self.holder = 0
         self.inside = 0
         try:
             fcntl.lockf(self.fd, fcntl.LOCK_UN, 1, self.offset)
         finally:
             self.tlock.release()
+            self.taking = 0
 
     def after_fork(self) -> None:
         self.tlock = threading.Lock()  # another thread may have held it at fork
-        self.holder = 0
+        self.holder = self.taking = 0
 
 
 def _add_waiters(word: Any, delta: int | None) -> None:
@@ -1168,12 +1195,14 @@ class Queue:
                     "and put from the main code, or use an unbounded queue (its put() from a handler works)"
                 ) from None
             backlog.push(data, kind, task, False)
-        except BaseException:
+        except BaseException as exc:
             if kind == KIND_SPILL:  # not queued: its pages go back
                 region.drop_spill(data)
+            # A lock half taken by this call goes (queue.Full is raised with none held; a signal
+            # handler's put that raises it may have been lent its thread's lock, which stays held).
+            if exc.__class__ is not queue.Full:
+                region.unleak()
             raise
-        finally:
-            region.unleak()
         if backlog.thread is not None and self._jointhread is None and not self._joincancelled:
             self._watch_backlog()
 

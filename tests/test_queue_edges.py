@@ -225,6 +225,74 @@ def test_a_reentered_get_raises_at_once_and_the_queue_goes_on() -> None:
     assert answer == {"seen": ["ReentrantCallError"], "quick": True, "after": "after"}
 
 
+HANDLER_IN_THE_GAP = """
+import json, os, queue, signal, sys, time
+import gpushare as mp
+
+def probe(q, out):  # can another process take the producers' lock within 0.3 s?
+    out.put(bool(q._region.plock.acquire(time.monotonic() + 0.3)))
+
+if __name__ == "__main__":
+    q = mp.Queue(maxsize=int(sys.argv[1]))
+    out = mp.Queue()
+    if q._maxsize:
+        q.put("first")  # full: the handler's put times out
+    seen = []
+    def handler(signum, frame):
+        try:
+            q.put(("handler", b"h" * 300_000 if not q._maxsize else b"h"), timeout=0.05)
+            seen.append("put")
+        except queue.Full:
+            seen.append("Full")
+        except Exception as exc:
+            seen.append(type(exc).__name__)
+    signal.signal(signal.SIGALRM, handler)
+    lock = q._region.plock
+    assert lock.acquire()  # as a put() of this thread that took the lock, its try: not yet entered
+    signal.setitimer(signal.ITIMER_REAL, 0.02)
+    time.sleep(0.3)
+    p = mp.Process(target=probe, args=(q, out))
+    p.start()
+    taken_elsewhere = out.get(timeout=60)
+    p.join(60)
+    lock.inside = lock.holder  # the interrupted put goes on, under its lock, and lets go
+    lock.release()
+    got = [q.get(timeout=30)]  # the handler's item, or the one that filled the queue
+    q.put("after")
+    got.append(q.get(timeout=30))
+    names = [g if isinstance(g, str) else g[0] for g in got]
+    print(json.dumps({"seen": seen, "taken_elsewhere": taken_elsewhere, "got": names}))
+"""
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["robust-mutex", "record-lock"])
+@pytest.mark.parametrize(
+    ("maxsize", "expected"),
+    [
+        (0, {"seen": ["put"], "got": ["handler", "after"]}),
+        (1, {"seen": ["Full"], "got": ["first", "after"]}),
+    ],
+    ids=["unbounded", "bounded-full"],
+)
+def test_a_handler_that_interrupts_its_thread_between_taking_the_lock_and_using_it(
+    portable: bool, maxsize: int, expected: dict[str, Any]
+) -> None:
+    # The window the test above hits at random (its put failed with EDEADLK), here held open on purpose.
+    # The handler's put works (or, full, raises queue.Full) and leaves its thread's lock held.
+    env = subprocess_env(**({"GPUSHARE_QUEUE_PORTABLE": "1"} if portable else {}))
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(HANDLER_IN_THE_GAP), str(maxsize)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=T,
+        check=False,
+    )
+    lines = done.stdout.strip().splitlines()
+    assert done.returncode == 0 and lines, done.stderr[-4000:]
+    assert json.loads(lines[-1]) == {**expected, "taken_elsewhere": False}
+
+
 # -- a lock another process holds: interruptible waits, timeouts ---------------------------------
 
 HELD_LOCK = """
