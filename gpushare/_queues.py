@@ -748,8 +748,12 @@ class Region:
 
     def reclaim(self, deadline: float | None = _NOW) -> bool:
         """Give memory back if the queue is empty (True; False when it was not, or the
-        producers' lock was busy): see :meth:`_reclaim_locked`."""
-        return bool(self.plock.run(deadline, False, self._reclaim_locked))
+        producers' lock was busy, or this thread is inside a call under it: a signal handler's
+        get, whose item is taken already and must not be lost): see :meth:`_reclaim_locked`."""
+        try:
+            return bool(self.plock.run(deadline, False, self._reclaim_locked))
+        except ReentrantCallError:
+            return False
 
     def _give_back_ring(self, tail: int) -> None:
         """Punch the ring's pages, all dead (the queue is empty), but the one the next record
@@ -858,9 +862,14 @@ class Region:
         """Wake sleepers on a commit word after a commit. When none was asleep, a counted waiter
         not asleep yet sees the commit and will not sleep: the count is stale (a waiter killed
         while asleep) and is cleared, under the ``lock`` it is kept under if that is free at once,
-        so that later commits make no system call for it."""
+        so that later commits make no system call for it. Its thread inside a call under that
+        lock (a signal handler's put or get): the count stays, for a later commit to clear; the
+        commit is made, so nothing may raise here (a put would be made again)."""
         if _futex_wake(addr, count) == 0:
-            lock.run(_NOW, None, _add_waiters, waiters, None)
+            try:
+                lock.run(_NOW, None, _add_waiters, waiters, None)
+            except ReentrantCallError:
+                pass
 
     def count_waiter(self, side: str, word: Any, delta: int) -> None:
         """Add ``delta`` to a waiter count, under the lock of the side that owns it."""

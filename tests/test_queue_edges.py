@@ -293,6 +293,69 @@ def test_a_handler_that_interrupts_its_thread_between_taking_the_lock_and_using_
     assert json.loads(lines[-1]) == {**expected, "taken_elsewhere": False}
 
 
+HANDLER_AFTER_COMMIT = """
+import json, queue, signal, sys, time
+import gpushare as mp
+if __name__ == "__main__":
+    side = sys.argv[1]
+    q = mp.Queue()
+    region = q._region
+    if side != "put":
+        q.put("queued" if side == "get" else "s" * (1 << 20))  # a spilled one's get gives memory back
+    seen = []
+    def handler(signum, frame):
+        try:
+            got = q.get(timeout=1.0) if side != "put" else q.put("from the handler") or "put"
+            seen.append(got if len(got) < 100 else len(got))
+        except Exception as exc:
+            seen.append(type(exc).__name__)
+    signal.signal(signal.SIGALRM, handler)
+    # This thread inside a call under the other side's lock, with a waiter counted there and not
+    # asleep: the handler's commit is followed by a wake-up that looks at that lock (a spilled
+    # message's get, with no waiter, by the memory's give-back, under the producers' lock).
+    lock, waiters = (region.clock, region.get_waiters) if side == "put" else (region.plock, region.put_waiters)
+    assert lock.acquire()
+    lock.inside = lock.holder
+    waiters.value = int(side != "get-spilled")
+    signal.setitimer(signal.ITIMER_REAL, 0.02)
+    time.sleep(0.3)
+    lock.release()
+    left = []
+    while True:
+        try:
+            left.append(q.get(timeout=1.0))
+        except queue.Empty:
+            break
+    print(json.dumps({"seen": seen, "left": left}))
+"""
+
+
+@pytest.mark.parametrize(
+    ("side", "expected"),
+    [
+        ("put", {"seen": ["put"], "left": ["from the handler"]}),  # once, not again from the backlog
+        ("get", {"seen": ["queued"], "left": []}),  # taken and returned, not lost
+        ("get-spilled", {"seen": [1 << 20], "left": []}),
+    ],
+)
+def test_a_handler_call_whose_wake_up_meets_its_thread_inside_a_call_is_made_once(
+    side: str, expected: dict[str, Any]
+) -> None:
+    # The Python path (the C calls never raise there; the portable fallback has no futex wake-up):
+    # a put was made three times, a get's item lost.
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(HANDLER_AFTER_COMMIT), side],
+        env=subprocess_env(GPUSHARE_QUEUE_NATIVE="0"),
+        capture_output=True,
+        text=True,
+        timeout=T,
+        check=False,
+    )
+    lines = done.stdout.strip().splitlines()
+    assert done.returncode == 0 and lines, done.stderr[-4000:]
+    assert json.loads(lines[-1]) == expected
+
+
 # -- a lock another process holds: interruptible waits, timeouts ---------------------------------
 
 HELD_LOCK = """
