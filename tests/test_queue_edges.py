@@ -323,10 +323,11 @@ if __name__ == "__main__":
     left = []
     while True:
         try:
-            left.append(q.get(timeout=1.0))
+            got = q.get(timeout=1.0)
+            left.append(got if len(got) < 100 else len(got))
         except queue.Empty:
             break
-    print(json.dumps({"seen": seen, "left": left}))
+    print(json.dumps({"seen": seen, "left": left, "one_lock": region.plock is region.clock}))
 """
 
 
@@ -353,7 +354,12 @@ def test_a_handler_call_whose_wake_up_meets_its_thread_inside_a_call_is_made_onc
     )
     lines = done.stdout.strip().splitlines()
     assert done.returncode == 0 and lines, done.stderr[-4000:]
-    assert json.loads(lines[-1]) == expected
+    answer = json.loads(lines[-1])
+    if answer.pop("one_lock") and side != "put":
+        # One lock for both sides (arm64, GPUSHARE_QUEUE_ONE_LOCK=1): the get cannot start, says so,
+        # and the item stays queued.
+        expected = {"seen": ["ReentrantCallError"], "left": expected["seen"]}
+    assert answer == expected
 
 
 # -- a lock another process holds: interruptible waits, timeouts ---------------------------------
