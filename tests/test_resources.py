@@ -78,7 +78,7 @@ def _holdings(device: int | str) -> dict[str, Any]:
     me = os.getpid()
     held = {
         "children": _children(),
-        "fds": len(os.listdir("/proc/self/fd")),
+        "fds": _open_files(),
         "threads": sorted(t.name for t in threading.enumerate()),
         "shm": sorted(glob.glob(f"/dev/shm/gpushare-{me}-*")),
         "sockets": sorted(glob.glob(os.path.join(tempfile.gettempdir(), f"gpushare-*-{me}-*"))),
@@ -88,7 +88,29 @@ def _holdings(device: int | str) -> dict[str, Any]:
     return held
 
 
+def _open_files() -> dict[tuple[int, int, int], str]:
+    """This process's open fds, each as (fd, device, inode) -> what it is open on."""
+    files = {}
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        try:
+            st = os.fstat(fd)
+            files[(fd, st.st_dev, st.st_ino)] = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:  # listdir's own fd, closed since
+            pass
+    return files
+
+
+def _opened_since(baseline: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """The fds open now that were not open (on the same file) at ``baseline``."""
+    return [f"{key[0]}: {target}" for key, target in sorted(now["fds"].items()) if key not in baseline["fds"]]
+
+
 def _back_to(baseline: dict[str, Any], device: int | str) -> Callable[[], bool]:
+    """Whether everything the rounds since ``baseline`` made is given back: no fd they opened is
+    open (an earlier test's fd that closes meanwhile is none of theirs), and every other holding
+    is as it was."""
+
     def same() -> bool:
         gc.collect()
         now = _holdings(device)
@@ -96,7 +118,9 @@ def _back_to(baseline: dict[str, Any], device: int | str) -> Callable[[], bool]:
             # The driver frees in 2 MiB steps and may keep one granule: tolerate it.
             if abs(now.pop("device_free") - baseline["device_free"]) > (2 << 20):
                 return False
-        return all(now[k] == baseline[k] for k in now)
+        if _opened_since(baseline, now):
+            return False
+        return all(now[k] == baseline[k] for k in now if k != "fds")
 
     return same
 
@@ -150,7 +174,10 @@ def account(
         except BaseException:
             gc.collect()
             now = _holdings(device)
-            diff = {k: (baseline.get(k), now[k]) for k in now if baseline.get(k) != now[k]}
+            diff = {k: (baseline.get(k), now[k]) for k in now if k != "fds" and baseline.get(k) != now[k]}
+            opened = _opened_since(baseline, now)
+            if opened:
+                diff["fds opened and not closed"] = opened
             pytest.fail(f"close={close}: not given back after {rounds} rounds: {diff}")
 
 
