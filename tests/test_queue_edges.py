@@ -28,11 +28,12 @@ MODULES = ("multiprocessing", "gpushare")
 T = 120  # seconds a script may take
 
 
-def run(script: str, module: str, *args: str, timeout: float = T) -> Any:
-    """Run ``script`` with ``module`` as ``mp``: the JSON of its last line of output."""
+def run(script: str, module: str, *args: str, timeout: float = T, env: dict[str, str] | None = None) -> Any:
+    """Run ``script`` with ``module`` as ``mp`` (and ``env``'s settings): the JSON of its last
+    line of output."""
     done = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(script), module, *args],
-        env=subprocess_env(),
+        env=subprocess_env(**(env or {})),
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -233,7 +234,7 @@ def probe(q, out):  # can another process take the producers' lock within 0.3 s?
     out.put(bool(q._region.plock.acquire(time.monotonic() + 0.3)))
 
 if __name__ == "__main__":
-    q = mp.Queue(maxsize=int(sys.argv[1]))
+    q = mp.Queue(maxsize=int(sys.argv[2]))
     out = mp.Queue()
     if q._maxsize:
         q.put("first")  # full: the handler's put times out
@@ -279,25 +280,17 @@ def test_a_handler_that_interrupts_its_thread_between_taking_the_lock_and_using_
 ) -> None:
     # The window the test above hits at random (its put failed with EDEADLK), here held open on purpose.
     # The handler's put works (or, full, raises queue.Full) and leaves its thread's lock held.
-    env = subprocess_env(**({"GPUSHARE_QUEUE_PORTABLE": "1"} if portable else {}))
-    done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(HANDLER_IN_THE_GAP), str(maxsize)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=T,
-        check=False,
+    answer = run(
+        HANDLER_IN_THE_GAP, "gpushare", str(maxsize), env={"GPUSHARE_QUEUE_PORTABLE": "1"} if portable else None
     )
-    lines = done.stdout.strip().splitlines()
-    assert done.returncode == 0 and lines, done.stderr[-4000:]
-    assert json.loads(lines[-1]) == {**expected, "taken_elsewhere": False}
+    assert answer == {**expected, "taken_elsewhere": False}
 
 
 HANDLER_AFTER_COMMIT = """
 import json, queue, signal, sys, time
 import gpushare as mp
 if __name__ == "__main__":
-    side = sys.argv[1]
+    side = sys.argv[2]
     q = mp.Queue()
     region = q._region
     if side != "put":
@@ -344,17 +337,7 @@ def test_a_handler_call_whose_wake_up_meets_its_thread_inside_a_call_is_made_onc
 ) -> None:
     # The Python path (the C calls never raise there; the portable fallback has no futex wake-up):
     # a put was made three times, a get's item lost.
-    done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(HANDLER_AFTER_COMMIT), side],
-        env=subprocess_env(GPUSHARE_QUEUE_NATIVE="0"),
-        capture_output=True,
-        text=True,
-        timeout=T,
-        check=False,
-    )
-    lines = done.stdout.strip().splitlines()
-    assert done.returncode == 0 and lines, done.stderr[-4000:]
-    answer = json.loads(lines[-1])
+    answer = run(HANDLER_AFTER_COMMIT, "gpushare", side, env={"GPUSHARE_QUEUE_NATIVE": "0"})
     if answer.pop("one_lock") and side != "put":
         # One lock for both sides (arm64, GPUSHARE_QUEUE_ONE_LOCK=1): the get cannot start, says so,
         # and the item stays queued.
